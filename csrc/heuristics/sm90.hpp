@@ -1,0 +1,49 @@
+// The one place where sm90 kernel configurations are chosen. Every rejected candidate has its reason.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <set>
+#include <tuple>
+
+namespace megamoe::heuristics {
+
+struct GroupedGemmConfig {
+  int block_m;     // tokens per tile (the wgmma N dimension): 16, 32 or 64
+  int num_stages;  // TMA pipeline depth
+};
+
+// Shared memory one stage takes: 256 x 128 weight bytes + block_m x 128 token bytes + scales.
+constexpr int stage_bytes(int block_m) { return 256 * 128 + block_m * 128 + (block_m * 4 + 127) / 128 * 128; }
+
+// Deepest TMA pipeline that fits beside the largest epilogue (L2: block_m x 256 bf16) in the 227 KB a
+// block may use (minus alignment slack and barriers): 6, 5 and 4 stages for block_m 16, 32 and 64.
+constexpr int num_stages_for(int block_m) {
+  return (227 * 1024 - 2048 - block_m * 256 * 2) / stage_bytes(block_m);
+}
+
+inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
+                                             int64_t intermediate) {
+  // Expected rows per touched expert. NOTES: decode is weight-bound: a block_m larger than the rows an
+  // expert gets only wastes MMA work, never bytes; prefill wants the widest tile (fewest weight
+  // re-reads, best MMA efficiency), capped at 64 by the registers of two partial accumulators.
+  const int64_t slots = num_tokens * top_k;
+  const int64_t rows = slots <= num_experts ? 1 : (slots + num_experts - 1) / num_experts;
+  GroupedGemmConfig c;
+  c.block_m = rows <= 16 ? 16 : rows <= 32 ? 32 : 64;
+  c.num_stages = num_stages_for(c.block_m);
+  if (std::getenv("MEGAMOE_PRINT_CONFIGS") != nullptr) {
+    static std::mutex mu;
+    static std::set<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> printed;
+    std::lock_guard<std::mutex> lock(mu);
+    if (printed.insert({num_tokens, top_k, num_experts, hidden, intermediate}).second)
+      std::printf("megamoe: sm90 grouped GEMM T=%lld K=%lld E=%lld H=%lld I=%lld -> block_m=%d stages=%d\n",
+                  (long long)num_tokens, (long long)top_k, (long long)num_experts, (long long)hidden,
+                  (long long)intermediate, c.block_m, c.num_stages);
+  }
+  return c;
+}
+
+}  // namespace megamoe::heuristics

@@ -1,0 +1,51 @@
+// Launchers of the CUDA kernels, callable from host C++ without CUDA headers beyond the runtime types.
+// Pointers are device pointers into the buffer / weights; every size was validated by the op.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "megamoe/formats.hpp"
+#include "megamoe/layout/buffer.hpp"
+
+namespace megamoe::kernels {
+
+// pre_dispatch: quantize x and store it with the sanitized routing into the buffer.
+void launch_pre_dispatch(const void* x, const void* topk_idx, bool topk_idx_is_int64, const float* topk_weights,
+                         uint8_t* buffer, const layout::BufferLayout& layout, int num_tokens, ActRecipe recipe,
+                         cudaStream_t stream);
+
+// Routing: per-expert row lists (pool_src), offsets, token-block offsets for `block_m`, recv_stats.
+void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens, int block_m,
+                    int* recv_stats, cudaStream_t stream);
+
+// Gather: copy each pool row's token (and its scales, K-block-major) into the dispatch area. FP8
+// recipes only: scales are float32 per 128 (sf_elem_bytes 4) or UE8M0 per 32 (sf_elem_bytes 1).
+void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, int sf_elem_bytes, int num_sms,
+                   cudaStream_t stream);
+
+// Combine: y[t] = sum over valid slots of combine[t, k] (float32, slot order) -> bf16.
+void launch_combine(void* y, const uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens,
+                    cudaStream_t stream);
+
+// Grouped FP8 GEMM over (expert, token block, 256 weight rows) tiles.
+struct GroupedGemmArgs {
+  CUtensorMap tmap_weights;  // fp8 [E * n, k], box {128, 256}, 128B swizzle
+  CUtensorMap tmap_acts;     // fp8 [pool_rows, k], box {128, block_m}, 128B swizzle
+  CUtensorMap tmap_acts_sf;  // float32 [k / 128, pool_rows], box {block_m, 1}
+  const float* weights_sf;   // float32 [E, n / 64, k / 128]
+  int n, k;
+  bool is_l1;                // L1: SwiGLU + FP8 requant into the pool; L2: bf16 rows into combine
+  float activation_clamp;    // < 0: no clamp
+  bool fast_math;
+};
+// 2D tensor map over a row-major matrix [outer, inner] of uint8 or float32 elements.
+CUtensorMap make_tensor_map_2d(const void* base, bool is_float32, uint64_t inner, uint64_t outer,
+                               uint64_t row_stride_bytes, uint32_t box_inner, uint32_t box_outer, bool swizzle_128b);
+
+void launch_fp8_grouped_gemm(const GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
+                             int block_m, int num_sms, cudaStream_t stream);
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,97 @@
+// Host side of the grouped FP8 GEMM: tensor maps, the instantiation table, the launch.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <mutex>
+
+#include "heuristics/sm90.hpp"
+#include "kernels/sm90_fp8_grouped_gemm.cuh"
+
+namespace megamoe::kernels {
+
+namespace {
+
+template <int kBlockM, bool kIsL1>
+void launch_config(const GroupedGemmArgs& a, const GemmParams& p, int num_sms, cudaStream_t stream) {
+  constexpr int kStages = heuristics::num_stages_for(kBlockM);
+  using Smem = GemmSmem<kBlockM, kStages, kIsL1>;
+  static_assert(Smem::kBytes <= 227 * 1024, "grouped GEMM shared memory exceeds the 227 KB a block may use");
+  auto kernel = sm90_fp8_grouped_gemm_kernel<kBlockM, kStages, kIsL1>;
+  // Raising the dynamic shared-memory limit is per function and per device; once per process is
+  // enough for the single-device-per-process model of serving engines, and cheap to repeat.
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kBytes));
+  });
+  kernel<<<num_sms, kNumThreads, Smem::kBytes, stream>>>(a.tmap_weights, a.tmap_acts, a.tmap_acts_sf, p);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void launch_fp8_grouped_gemm(const GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
+                             int block_m, int num_sms, cudaStream_t stream) {
+  GemmParams p;
+  p.weights_sf = args.weights_sf;
+  p.buffer = buffer;
+  p.l = layout;
+  p.n = args.n;
+  p.k = args.k;
+  p.activation_clamp = args.activation_clamp;
+  p.fast_math = args.fast_math;
+#define MEGAMOE_LAUNCH_BLOCK_M(BM)                                              \
+  case BM:                                                                      \
+    if (args.is_l1) launch_config<BM, true>(args, p, num_sms, stream);          \
+    else launch_config<BM, false>(args, p, num_sms, stream);                    \
+    return;
+  switch (block_m) {
+    MEGAMOE_LAUNCH_BLOCK_M(16)
+    MEGAMOE_LAUNCH_BLOCK_M(32)
+    MEGAMOE_LAUNCH_BLOCK_M(64)
+  }
+#undef MEGAMOE_LAUNCH_BLOCK_M
+  throw std::runtime_error("megamoe: grouped GEMM has no instantiation for block_m = " + std::to_string(block_m));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Tensor maps (driver entry point fetched through the runtime: no link against libcuda)
+// ------------------------------------------------------------------------------------------------
+namespace {
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn encode_tiled() {
+  static EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    MEGAMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                                        &status));
+    if (status != cudaDriverEntryPointSuccess || ptr == nullptr)
+      throw std::runtime_error("megamoe: cuTensorMapEncodeTiled is not available from the CUDA driver");
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+CUtensorMap make_tensor_map_2d(const void* base, bool is_float32, uint64_t inner, uint64_t outer,
+                               uint64_t row_stride_bytes, uint32_t box_inner, uint32_t box_outer, bool swizzle_128b) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {row_stride_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(
+      &map, is_float32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base),
+      dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("megamoe: cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r)));
+  return map;
+}
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,298 @@
+// Grouped FP8 block-scaled GEMM for Hopper: one persistent launch walks (expert, token block, 256
+// weight rows) tiles. Weights are the wgmma A operand (64-row slices, "swap AB"), so a decode step
+// with a handful of tokens per expert still fills the 64-row MMA dimension with weights.
+//
+// Warp roles (384 threads): warpgroup 0 = TMA producer (one thread), warpgroups 1-2 = consumers, each
+// owning 128 weight rows = two 64-row slices. In L1 the slices are a gate chunk and its up chunk
+// (transform_weights interleaves them), so SwiGLU happens in registers.
+//
+// Per 128-K block: 4 wgmma k32 steps into a fresh partial accumulator, then promotion
+// acc += partial * weight_scale(64-row chunk, k block) * token_scale(token, k block) in float32.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "kernels/launch.hpp"
+#include "kernels/sm90_common.cuh"
+#include "megamoe/ptx/sm90.cuh"
+
+namespace megamoe::kernels {
+
+constexpr int kBlockN = 256;           // weight rows per tile
+constexpr int kBlockK = 128;           // K per stage (one scale block, one 128-byte swizzle row)
+constexpr int kNumThreads = 384;
+constexpr int kNumConsumerThreads = 256;
+
+struct GemmParams {
+  const float* weights_sf;  // [E, n / 64, k / 128]
+  uint8_t* buffer;
+  layout::BufferLayout l;
+  int n, k;
+  float activation_clamp;  // < 0: none
+  bool fast_math;
+};
+
+template <int kBlockM, int kNumStages, bool kIsL1>
+struct GemmSmem {
+  static constexpr int kTileA = kBlockN * kBlockK;       // bytes
+  static constexpr int kTileB = kBlockM * kBlockK;       // bytes
+  static constexpr int kTileSF = (kBlockM * 4 + 127) / 128 * 128;
+  static constexpr int kEpilogue = kIsL1 ? kBlockM * 128 + 8 * kBlockM * 4 : kBlockM * kBlockN * 2;
+  static constexpr int kBytes = 1024 /* alignment slack */ + kNumStages * (kTileA + kTileB + kTileSF) + kEpilogue +
+                                2 * kNumStages * 8;
+};
+
+// Finds the tile's expert by binary search over the cumulative token blocks.
+__device__ __forceinline__ int find_expert(const int* tile_offset, int num_experts, int num_nblocks, int tile) {
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tile_offset[mid] * num_nblocks <= tile) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+struct TileInfo {
+  int expert, m_block, n_block, row0, rows;
+};
+
+__device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_offset, const int* expert_offset,
+                                                int num_experts, int num_nblocks, int block_m) {
+  TileInfo t;
+  t.expert = find_expert(tile_offset, num_experts, num_nblocks, tile);
+  const int m_blocks = tile_offset[t.expert + 1] - tile_offset[t.expert];
+  const int local = tile - tile_offset[t.expert] * num_nblocks;
+  // Token blocks innermost: CTAs running side by side share a weight tile, which L2 then serves.
+  t.n_block = local / m_blocks;
+  t.m_block = local % m_blocks;
+  t.row0 = expert_offset[t.expert] + t.m_block * block_m;
+  t.rows = min(block_m, expert_offset[t.expert + 1] - t.row0);
+  return t;
+}
+
+template <int kBlockM, int kNumStages, bool kIsL1>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    sm90_fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
+                                 const __grid_constant__ CUtensorMap tmap_acts,
+                                 const __grid_constant__ CUtensorMap tmap_acts_sf, GemmParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Smem = GemmSmem<kBlockM, kNumStages, kIsL1>;
+  using Mma = ptx::WgmmaFP8<kBlockM>;
+  constexpr int kRegs = Mma::kNumRegs;
+  static_assert(kBlockM % 8 == 0 && kBlockM <= 64, "token block must be a multiple of 8, at most 64");
+
+  extern __shared__ uint8_t smem_raw[];
+  // 128B-swizzled TMA tiles need 1024-byte alignment.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* tile_a = smem;
+  uint8_t* tile_b = tile_a + kNumStages * Smem::kTileA;
+  float* tile_sf = reinterpret_cast<float*>(tile_b + kNumStages * Smem::kTileB);
+  uint8_t* epilogue = reinterpret_cast<uint8_t*>(tile_sf) + kNumStages * Smem::kTileSF;
+  uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + Smem::kEpilogue);
+  uint64_t* empty = full + kNumStages;
+
+  const int warpgroup = threadIdx.x / 128;
+  const int lane = threadIdx.x % 32;
+  const auto& l = p.l;
+  const int num_experts = static_cast<int>(l.num_local_experts);
+  const int* tile_offset = reinterpret_cast<const int*>(p.buffer + l.tile_offset_offset);
+  const int* expert_offset = reinterpret_cast<const int*>(p.buffer + l.expert_offset_offset);
+  const int num_nblocks = (p.n + kBlockN - 1) / kBlockN;
+  const int num_kblocks = p.k / kBlockK;
+  const int num_tiles = tile_offset[num_experts] * num_nblocks;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kNumStages; ++s) {
+      ptx::mbarrier_init(&full[s], 1);
+      ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ======================================================================== producer
+    ptx::setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) {
+      ptx::prefetch_tensormap(&tmap_weights);
+      ptx::prefetch_tensormap(&tmap_acts);
+      ptx::prefetch_tensormap(&tmap_acts_sf);
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+        const int weight_row = t.expert * p.n + t.n_block * kBlockN;
+        for (int kb = 0; kb < num_kblocks; ++kb) {
+          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+          ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + Smem::kTileB + kBlockM * 4);
+          ptx::tma_load_2d(tile_a + stage * Smem::kTileA, &tmap_weights, &full[stage], kb * kBlockK, weight_row);
+          ptx::tma_load_2d(tile_b + stage * Smem::kTileB, &tmap_acts, &full[stage], kb * kBlockK, t.row0);
+          ptx::tma_load_2d(reinterpret_cast<uint8_t*>(tile_sf) + stage * Smem::kTileSF, &tmap_acts_sf, &full[stage],
+                           t.row0, kb);
+          if (++stage == kNumStages) stage = 0, phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // ========================================================================== consumers
+  ptx::setmaxnreg_inc<232>();
+  const int consumer = warpgroup - 1;                 // owns weight rows [128 c, 128 c + 128) of the tile
+  const int warp = (threadIdx.x / 32) % 4;            // warp within the warpgroup
+  const int ctid = threadIdx.x - 128;                 // 0..255 over both consumers
+  const int quad_row = warp * 16 + lane / 4;          // this thread's first row in a 64-row slice
+  int stage = 0;
+  uint32_t phase = 0;
+
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+    // Weight scales: one per (64-row chunk, K block); this consumer's two chunks are adjacent.
+    const int chunk = (t.expert * p.n + t.n_block * kBlockN + consumer * 128) / 64;
+    const float* wsf = p.weights_sf + int64_t(chunk) * num_kblocks;
+    // NOTES: n (= hidden in L2) is a multiple of 128, not always of 256: the last tile's upper half
+    // then lies past this expert's rows; its scales are never read and its rows never stored.
+    const int first_row = t.n_block * kBlockN + consumer * 128;
+    const bool valid0 = first_row < p.n, valid1 = first_row + 64 < p.n;
+
+    float acc0[kRegs], acc1[kRegs];
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
+
+    for (int kb = 0; kb < num_kblocks; ++kb) {
+      const float ws0 = valid0 ? __ldg(wsf + kb) : 0.0f, ws1 = valid1 ? __ldg(wsf + num_kblocks + kb) : 0.0f;
+      ptx::mbarrier_wait(&full[stage], phase);
+      float part0[kRegs], part1[kRegs];
+      const uint8_t* a = tile_a + stage * Smem::kTileA + consumer * 128 * kBlockK;
+      const uint8_t* b = tile_b + stage * Smem::kTileB;
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kBlockK / 32; ++ks) {
+        const uint64_t desc_b = ptx::make_smem_desc_sw128(b + ks * 32);
+        Mma::run(part0, ptx::make_smem_desc_sw128(a + ks * 32), desc_b, ks > 0);
+        Mma::run(part1, ptx::make_smem_desc_sw128(a + 64 * kBlockK + ks * 32), desc_b, ks > 0);
+      }
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
+
+      // Token scales of this thread's columns, read before the stage is handed back.
+      const float* sf = tile_sf + stage * (Smem::kTileSF / 4);
+      float col_sf[kBlockM / 4];
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        col_sf[2 * j] = sf[8 * j + 2 * (lane % 4)];
+        col_sf[2 * j + 1] = sf[8 * j + 2 * (lane % 4) + 1];
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
+      if (++stage == kNumStages) stage = 0, phase ^= 1;
+
+      // Fragment layout of m64nN: register 4j + {0,1} -> (row r, cols 8j + 2(lane%4) + {0,1}),
+      // 4j + {2,3} -> (row r + 8, same cols).
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) {
+        const float s = col_sf[(i / 4) * 2 + (i % 2)];
+        acc0[i] += part0[i] * (ws0 * s);
+        acc1[i] += part1[i] * (ws1 * s);
+      }
+    }
+
+    // ======================================================================== epilogue
+    if constexpr (kIsL1) {
+      // SwiGLU in registers: acc0 = gate rows, acc1 = the matching up rows.
+      float* amax_smem = reinterpret_cast<float*>(epilogue + kBlockM * 128);  // [8 warps][kBlockM]
+      const int* pool_src = reinterpret_cast<const int*>(p.buffer + l.pool_src_offset);
+      const float* topk_weights = reinterpret_cast<const float*>(p.buffer + l.topk_weights_offset);
+      float col_w[kBlockM / 4];
+#pragma unroll
+      for (int j = 0; j < kBlockM / 4; ++j) {
+        const int col = 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
+        col_w[j] = col < t.rows ? topk_weights[pool_src[t.row0 + col]] : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) {
+        float g = __bfloat162float(__float2bfloat16_rn(acc0[i]));
+        float u = __bfloat162float(__float2bfloat16_rn(acc1[i]));
+        if (p.activation_clamp >= 0.0f) {
+          g = fminf(g, p.activation_clamp);
+          u = fminf(fmaxf(u, -p.activation_clamp), p.activation_clamp);
+        }
+        const float silu = p.fast_math ? __fdividef(g, 1.0f + __expf(-g)) : g / (1.0f + expf(-g));
+        acc0[i] = silu * u * col_w[(i / 4) * 2 + (i % 2)];
+      }
+      // Per-token amax over this tile's 128 outputs (= one L2 scale block): registers, then lanes
+      // sharing a column (xor 4, 8, 16), then the 8 consumer warps through shared memory.
+#pragma unroll
+      for (int j = 0; j < kBlockM / 4; ++j) {
+        const int i0 = (j / 2) * 4 + (j % 2);
+        float m = fmaxf(fabsf(acc0[i0]), fabsf(acc0[i0 + 2]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+        if (lane < 4) amax_smem[(consumer * 4 + warp) * kBlockM + 8 * (j / 2) + 2 * lane + (j % 2)] = m;
+      }
+      ptx::named_barrier_sync(1, kNumConsumerThreads);
+      uint8_t* out_tile = epilogue;  // [kBlockM tokens][128 outputs] E4M3
+      float* pool_sf = reinterpret_cast<float*>(p.buffer + l.pool_sf_offset);
+#pragma unroll
+      for (int j = 0; j < kBlockM / 4; ++j) {
+        const int col = 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
+        float amax = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, amax_smem[w * kBlockM + col]);
+        const float scale = fmaxf(amax, kAmaxEps) / kFP8Max;
+        const int i0 = (j / 2) * 4 + (j % 2);
+        const int out = consumer * 64 + quad_row;
+        const float inv = 1.0f / scale;
+        const float v0 = p.fast_math ? acc0[i0] * inv : acc0[i0] / scale;
+        const float v1 = p.fast_math ? acc0[i0 + 2] * inv : acc0[i0 + 2] / scale;
+        out_tile[col * 128 + out] = to_fp8(v0);
+        out_tile[col * 128 + out + 8] = to_fp8(v1);
+        if (consumer == 0 && warp == 0 && lane < 4 && col < t.rows)
+          pool_sf[int64_t(t.n_block) * l.pool_rows + t.row0 + col] = scale;
+      }
+      ptx::named_barrier_sync(1, kNumConsumerThreads);
+      // Coalesced copy-out: 8 x 16 bytes per token row.
+      const int inter = p.n / 2;
+      for (int c = ctid; c < kBlockM * 8; c += kNumConsumerThreads) {
+        const int col = c / 8, part = c % 8;
+        if (col < t.rows)
+          *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter + t.n_block * 128 +
+                                    part * 16) = reinterpret_cast<const uint4*>(out_tile)[c];
+      }
+      ptx::named_barrier_sync(1, kNumConsumerThreads);
+    } else {
+      // L2: bf16 rows into the combine area at (token, slot).
+      __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epilogue);  // [kBlockM][256]
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) {
+        const int col = 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+        const int row = consumer * 128 + quad_row + ((i / 2) % 2) * 8;
+        out_tile[col * kBlockN + row] = __float2bfloat16_rn(acc0[i]);
+        out_tile[col * kBlockN + row + 64] = __float2bfloat16_rn(acc1[i]);
+      }
+      ptx::named_barrier_sync(1, kNumConsumerThreads);
+      const int* pool_src = reinterpret_cast<const int*>(p.buffer + l.pool_src_offset);
+      __nv_bfloat16* combine = reinterpret_cast<__nv_bfloat16*>(p.buffer + l.combine_offset);
+      for (int c = ctid; c < kBlockM * 32; c += kNumConsumerThreads) {
+        const int col = c / 32, part = c % 32;
+        if (col < t.rows && t.n_block * kBlockN + part * 8 < p.n)
+          *reinterpret_cast<uint4*>(combine + int64_t(pool_src[t.row0 + col]) * l.hidden + t.n_block * kBlockN +
+                                    part * 8) = reinterpret_cast<const uint4*>(out_tile)[c];
+      }
+      ptx::named_barrier_sync(1, kNumConsumerThreads);
+    }
+  }
+#else
+  __trap();  // built for a GPU without wgmma: the host never launches this
+#endif
+}
+
+}  // namespace megamoe::kernels

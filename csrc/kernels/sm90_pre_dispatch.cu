@@ -1,0 +1,146 @@
+// pre_dispatch: bf16 tokens -> the activation recipe (FP8 or E2M1 + scales) and sanitized routing, in
+// the buffer. One block per token; bit-exact with the CPU op (same divisions, same rounding).
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "kernels/launch.hpp"
+#include "kernels/sm90_common.cuh"
+
+namespace megamoe::kernels {
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kVec = 8;  // bf16 elements per thread per step (one 16-byte load)
+
+template <ActRecipe kRecipe, typename IdxT>
+__global__ void __launch_bounds__(kThreads) pre_dispatch_kernel(const __nv_bfloat16* __restrict__ x,
+                                                                const IdxT* __restrict__ topk_idx,
+                                                                const float* __restrict__ topk_weights,
+                                                                uint8_t* __restrict__ buffer,
+                                                                layout::BufferLayout l, int num_tokens) {
+  const int token = blockIdx.x;
+  if (token == 0 && threadIdx.x == 0) *reinterpret_cast<int*>(buffer + l.num_tokens_offset) = num_tokens;
+  if (token >= num_tokens) return;
+  const int hidden = static_cast<int>(l.hidden), top_k = static_cast<int>(l.top_k);
+
+  // ---- routing: ids outside [-1, num_experts) become -1 and set the error word (first one wins)
+  if (threadIdx.x < top_k) {
+    const int64_t slot = int64_t(token) * top_k + threadIdx.x;
+    const int64_t id = static_cast<int64_t>(topk_idx[slot]);
+    int stored = static_cast<int>(id);
+    if (id < -1 || id >= l.num_experts) {
+      record_error(buffer, l, layout::kErrorExpertId, id, token, threadIdx.x);
+      stored = -1;
+    }
+    reinterpret_cast<int*>(buffer + l.topk_idx_offset)[slot] = stored;
+    reinterpret_cast<float*>(buffer + l.topk_weights_offset)[slot] = topk_weights[slot];
+  }
+
+  // ---- activations
+  constexpr int kBlock = kRecipe == ActRecipe::kFP8F32Block128 ? 128 : kRecipe == ActRecipe::kNVFP4 ? 16 : 32;
+  constexpr int kLanesPerBlock = kBlock / kVec;
+  const __nv_bfloat16* row = x + int64_t(token) * hidden;
+  uint8_t* data = buffer + l.x_offset + int64_t(token) * l.token_bytes;
+  uint8_t* sf = buffer + l.x_sf_offset + int64_t(token) * l.token_sf_bytes;
+  const int num_groups = hidden / kVec;
+
+  float global_scale = 1.0f;
+  if constexpr (kRecipe == ActRecipe::kNVFP4) {
+    // NOTES: NVFP4 activations carry a per-token float32 scale g = amax_token / (6 * 448), so one
+    // extra pass over the (cached) row finds the token's amax first.
+    __shared__ float warp_amax[kThreads / 32];
+    float amax = 0.0f;
+    for (int g = threadIdx.x; g < num_groups; g += kThreads) {
+      float v[kVec];
+      load_bf16x8(row + g * kVec, v);
+      for (int i = 0; i < kVec; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    }
+    amax = warp_reduce_max<32>(amax);
+    if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+    __syncthreads();
+    amax = 0.0f;
+    for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
+    global_scale = fmaxf(amax, kAmaxEps) / (kE2M1Max * kFP8Max);
+    if (threadIdx.x == 0) reinterpret_cast<float*>(buffer + l.x_global_sf_offset)[token] = global_scale;
+  }
+
+  // Every thread runs every step (inactive ones with zeros) so the block-amax shuffles stay converged.
+  for (int base = 0; base < num_groups; base += kThreads) {
+    const int g = base + threadIdx.x;
+    const bool active = g < num_groups;
+    float v[kVec];
+    if (active) {
+      load_bf16x8(row + g * kVec, v);
+    } else {
+      for (int i = 0; i < kVec; ++i) v[i] = 0.0f;
+    }
+    float amax = 0.0f;
+    for (int i = 0; i < kVec; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    amax = warp_reduce_max<kLanesPerBlock>(amax);
+    if (!active) continue;
+    const int blk = g / kLanesPerBlock;
+    const bool leader = g % kLanesPerBlock == 0;
+    if constexpr (kRecipe == ActRecipe::kFP8F32Block128 || kRecipe == ActRecipe::kFP8UE8M0Block32) {
+      float scale = fmaxf(amax, kAmaxEps) / kFP8Max;
+      if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) scale = ceil_pow2(scale);
+      store_fp8x8(data + g * kVec, v, scale);
+      if (leader) {
+        if constexpr (kRecipe == ActRecipe::kFP8F32Block128) reinterpret_cast<float*>(sf)[blk] = scale;
+        else sf[blk] = ue8m0_bits(scale);
+      }
+    } else if constexpr (kRecipe == ActRecipe::kMXFP4) {
+      const float scale = ceil_pow2(fmaxf(amax, kAmaxEps) / kE2M1Max);
+      store_e2m1x8(data + g * (kVec / 2), v, scale);
+      if (leader) sf[blk] = ue8m0_bits(scale);
+    } else {
+      const __nv_fp8_e4m3 block_sf(fminf(amax / (global_scale * kE2M1Max), kFP8Max));
+      const float denom = float(block_sf) * global_scale;
+      store_e2m1x8(data + g * (kVec / 2), v, denom);
+      if (leader) sf[blk] = block_sf.__x;
+    }
+  }
+}
+
+template <ActRecipe kRecipe>
+void launch_recipe(const void* x, const void* topk_idx, bool is_int64, const float* topk_weights, uint8_t* buffer,
+                   const layout::BufferLayout& l, int num_tokens, cudaStream_t stream) {
+  const dim3 grid(num_tokens > 0 ? num_tokens : 1);
+  auto* xb = static_cast<const __nv_bfloat16*>(x);
+  if (is_int64)
+    pre_dispatch_kernel<kRecipe, int64_t><<<grid, kThreads, 0, stream>>>(
+        xb, static_cast<const int64_t*>(topk_idx), topk_weights, buffer, l, num_tokens);
+  else
+    pre_dispatch_kernel<kRecipe, int32_t><<<grid, kThreads, 0, stream>>>(
+        xb, static_cast<const int32_t*>(topk_idx), topk_weights, buffer, l, num_tokens);
+}
+
+}  // namespace
+
+void launch_pre_dispatch(const void* x, const void* topk_idx, bool topk_idx_is_int64, const float* topk_weights,
+                         uint8_t* buffer, const layout::BufferLayout& layout, int num_tokens, ActRecipe recipe,
+                         cudaStream_t stream) {
+  // The error word describes the bad input of this call only.
+  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(buffer + layout.error_offset, 0, layout::kNumErrorWords * 4, stream));
+  switch (recipe) {
+    case ActRecipe::kFP8F32Block128:
+      launch_recipe<ActRecipe::kFP8F32Block128>(x, topk_idx, topk_idx_is_int64, topk_weights, buffer, layout,
+                                                num_tokens, stream);
+      break;
+    case ActRecipe::kFP8UE8M0Block32:
+      launch_recipe<ActRecipe::kFP8UE8M0Block32>(x, topk_idx, topk_idx_is_int64, topk_weights, buffer, layout,
+                                                 num_tokens, stream);
+      break;
+    case ActRecipe::kMXFP4:
+      launch_recipe<ActRecipe::kMXFP4>(x, topk_idx, topk_idx_is_int64, topk_weights, buffer, layout, num_tokens,
+                                       stream);
+      break;
+    case ActRecipe::kNVFP4:
+      launch_recipe<ActRecipe::kNVFP4>(x, topk_idx, topk_idx_is_int64, topk_weights, buffer, layout, num_tokens,
+                                       stream);
+      break;
+  }
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace megamoe::kernels

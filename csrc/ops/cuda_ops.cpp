@@ -1,0 +1,137 @@
+// CUDA registrations: validation (shared with CPU), arch and feature checks, then the sm90 kernels.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include "heuristics/sm90.hpp"
+#include "kernels/launch.hpp"
+#include "ops/ops.hpp"
+
+namespace megamoe {
+
+namespace {
+
+// NOTES: ATen/cuda/CUDAContext.h would pull cuBLAS/cuSPARSE headers into the build; the runtime
+// attribute queries are all the ops need (and cheap: the driver caches them).
+int device_attribute(const at::Tensor& t, cudaDeviceAttr attr) {
+  int v = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, t.device().index()));
+  return v;
+}
+
+std::string arch_name(const at::Tensor& t) {
+  return "sm_" + std::to_string(device_attribute(t, cudaDevAttrComputeCapabilityMajor)) +
+         std::to_string(device_attribute(t, cudaDevAttrComputeCapabilityMinor));
+}
+
+// The kernels are compiled for sm_90a only; say which path another GPU would need.
+void check_arch(const at::Tensor& t, const char* op) {
+  TORCH_CHECK_NOT_IMPLEMENTED(device_attribute(t, cudaDevAttrComputeCapabilityMajor) == 9, op,
+                              ": no CUDA kernel for ", arch_name(t), ": megamoe's kernels are built for sm_90a "
+                              "(Hopper); other GPUs need the portable mma.sync path, which is not implemented yet");
+}
+
+int num_sms(const at::Tensor& t) { return device_attribute(t, cudaDevAttrMultiProcessorCount); }
+
+uint8_t* buffer_ptr(at::Tensor& buffer) { return buffer.data_ptr<uint8_t>(); }
+
+}  // namespace
+
+void pre_dispatch_cuda_op(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                          at::Tensor& buffer, int64_t num_experts, int64_t num_ranks, int64_t rank,
+                          int64_t max_tokens_per_rank, int64_t top_k, int64_t intermediate,
+                          c10::string_view weight_format, c10::string_view act_format) {
+  const auto a = check_pre_dispatch(x, topk_idx, topk_weights, buffer, num_experts, num_ranks, rank,
+                                    max_tokens_per_rank, top_k, intermediate, weight_format, act_format);
+  check_arch(x, "pre_dispatch");
+  const c10::cuda::CUDAGuard guard(x.device());
+  kernels::launch_pre_dispatch(x.data_ptr(), topk_idx.data_ptr(), topk_idx.scalar_type() == at::kLong,
+                               topk_weights.data_ptr<float>(), buffer_ptr(buffer), a.buf.layout,
+                               static_cast<int>(x.size(0)), a.recipe, c10::cuda::getCurrentCUDAStream());
+}
+
+namespace {
+
+void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Tensor& l1_weights_sf,
+                       const at::Tensor& l2_weights, const at::Tensor& l2_weights_sf, at::Tensor& buffer,
+                       int64_t num_experts, int64_t num_ranks, int64_t rank, int64_t max_tokens_per_rank,
+                       int64_t top_k, std::optional<double> activation_clamp, bool fast_math,
+                       std::optional<at::Tensor> recv_stats) {
+  const auto args = check_mega_moe(y, l1_weights, l1_weights_sf, at::Tensor(), l2_weights, l2_weights_sf,
+                                   at::Tensor(), buffer, num_experts, num_ranks, rank, max_tokens_per_rank, top_k,
+                                   WeightFormat::kFP8, ActFormat::kFP8, activation_clamp, fast_math, recv_stats);
+  check_arch(y, "fp8_mega_moe");
+  TORCH_CHECK_NOT_IMPLEMENTED(num_ranks == 1, "num_ranks: expert parallelism (num_ranks > 1) is not implemented "
+                              "in the sm90 kernels yet, got ", num_ranks);
+  const c10::cuda::CUDAGuard guard(y.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto& l = args.buf.layout;
+  const int t = static_cast<int>(args.num_tokens);
+  if (t == 0) return;
+  const int sms = num_sms(y);
+  const auto cfg = heuristics::choose_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate);
+  uint8_t* buf = buffer_ptr(buffer);
+  const uint64_t e = l.num_local_experts, h = l.hidden, inter = l.intermediate, rows = l.pool_rows;
+  const auto bm = static_cast<uint32_t>(cfg.block_m);
+
+  // ---- routing and gather (dispatch within the rank)
+  kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
+                          recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream);
+  kernels::launch_gather(buf, l, /*sf_elem_bytes=*/4, sms, stream);
+
+  // ---- L1: dispatch rows x w13 -> SwiGLU -> FP8 pool
+  kernels::GroupedGemmArgs g1;
+  g1.tmap_weights = kernels::make_tensor_map_2d(l1_weights.data_ptr(), false, h, e * 2 * inter, h, 128, 256, true);
+  g1.tmap_acts = kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, false, h, rows, l.token_bytes, 128, bm, true);
+  g1.tmap_acts_sf = kernels::make_tensor_map_2d(buf + l.dispatch_sf_offset, true, rows, h / 128, rows * 4, bm, 1, false);
+  g1.weights_sf = l1_weights_sf.data_ptr<float>();
+  g1.n = static_cast<int>(2 * inter);
+  g1.k = static_cast<int>(h);
+  g1.is_l1 = true;
+  g1.activation_clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
+  g1.fast_math = fast_math;
+  kernels::launch_fp8_grouped_gemm(g1, buf, l, cfg.block_m, sms, stream);
+
+  // ---- L2: pool x w2 -> bf16 rows in the combine area
+  kernels::GroupedGemmArgs g2 = g1;
+  g2.tmap_weights = kernels::make_tensor_map_2d(l2_weights.data_ptr(), false, inter, e * h, inter, 128, 256, true);
+  g2.tmap_acts = kernels::make_tensor_map_2d(buf + l.pool_offset, false, inter, rows, l.pool_row_bytes, 128, bm, true);
+  g2.tmap_acts_sf = kernels::make_tensor_map_2d(buf + l.pool_sf_offset, true, rows, inter / 128, rows * 4, bm, 1, false);
+  g2.weights_sf = l2_weights_sf.data_ptr<float>();
+  g2.n = static_cast<int>(h);
+  g2.k = static_cast<int>(inter);
+  g2.is_l1 = false;
+  kernels::launch_fp8_grouped_gemm(g2, buf, l, cfg.block_m, sms, stream);
+
+  // ---- combine over slots
+  kernels::launch_combine(y.data_ptr(), buf, l, static_cast<int>(args.buf.rank), t, stream);
+}
+
+void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Tensor& l1_weights_sf,
+                           const at::Tensor& l1_weights_global_sf, const at::Tensor& l2_weights,
+                           const at::Tensor& l2_weights_sf, const at::Tensor& l2_weights_global_sf,
+                           at::Tensor& buffer, int64_t num_experts, int64_t num_ranks, int64_t rank,
+                           int64_t max_tokens_per_rank, int64_t top_k, c10::string_view weight_format,
+                           c10::string_view act_format, std::optional<double> activation_clamp, bool fast_math,
+                           std::optional<at::Tensor> recv_stats) {
+  const auto format = parse_weight_format(weight_format);
+  TORCH_CHECK_VALUE(format != WeightFormat::kFP8, "weight_format: fp8_fp4_mega_moe takes 'mxfp4' or 'nvfp4'; "
+                    "FP8 block weights go through fp8_mega_moe");
+  check_mega_moe(y, l1_weights, l1_weights_sf, l1_weights_global_sf, l2_weights, l2_weights_sf,
+                 l2_weights_global_sf, buffer, num_experts, num_ranks, rank, max_tokens_per_rank, top_k, format,
+                 parse_act_format(act_format), activation_clamp, fast_math, recv_stats);
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "fp8_fp4_mega_moe: weight_format '", to_string(format), "' with act_format '",
+                              std::string(act_format), "' has no CUDA kernel for ", arch_name(y),
+                              " yet (the FP4 Hopper kernels are a separate issue); the CPU op implements it");
+}
+
+}  // namespace
+
+}  // namespace megamoe
+
+TORCH_LIBRARY_IMPL(megamoe, CUDA, m) {
+  m.impl("pre_dispatch", &megamoe::pre_dispatch_cuda_op);
+  m.impl("fp8_mega_moe", &megamoe::fp8_mega_moe_cuda);
+  m.impl("fp8_fp4_mega_moe", &megamoe::fp8_fp4_mega_moe_cuda);
+}

@@ -1,0 +1,135 @@
+"""The per-rank buffer shared by pre_dispatch and the fused ops (DESIGN.md §5, §7).
+
+Its layout is computed in C++ (``megamoe::get_buffer_layout``); this module allocates it (a plain device
+tensor for one rank, ``torch.distributed._symmetric_memory`` when the EP group has several) and exposes
+typed views for tests and checked mode.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Optional
+
+import torch
+
+from .ops import ACT_FORMATS, BUFFER_LAYOUT_FIELDS, ops
+
+ERROR_CODES = {1: "expert id outside [-1, num_experts)", 2: "token count above the buffer's capacity"}
+
+
+@functools.lru_cache(maxsize=None)
+def buffer_layout(num_experts: int, num_ranks: int, max_tokens_per_rank: int, top_k: int, hidden: int,
+                  intermediate: int, act_format: str = "fp8") -> dict:
+    """Byte offsets and sizes of the buffer regions, by name (see csrc/include/megamoe/layout/buffer.hpp)."""
+    values = ops.get_buffer_layout(num_experts, num_ranks, max_tokens_per_rank, top_k, hidden, intermediate,
+                                   act_format).tolist()
+    return dict(zip(BUFFER_LAYOUT_FIELDS, values))
+
+
+@dataclasses.dataclass(eq=False)
+class MegaMoEBuffer:
+    """One rank's buffer plus the configuration it was sized for.
+
+    ``buffer`` is uint8 [total_bytes]. Pass the whole object to ``pre_dispatch`` and the fused ops.
+    """
+    buffer: torch.Tensor
+    num_experts: int
+    num_ranks: int
+    rank: int
+    max_tokens_per_rank: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    act_format: str
+    group: Any = None
+    handle: Any = None
+
+    @property
+    def layout(self) -> dict:
+        return buffer_layout(self.num_experts, self.num_ranks, self.max_tokens_per_rank, self.top_k,
+                             self.hidden, self.intermediate, self.act_format)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def config_args(self) -> tuple:
+        """The buffer's configuration in op-argument order (num_experts .. top_k)."""
+        return (self.num_experts, self.num_ranks, self.rank, self.max_tokens_per_rank, self.top_k)
+
+    def view(self, region: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A typed view of a region, e.g. ``view("topk_idx", (T, K), torch.int32)``."""
+        offset = self.layout[f"{region}_offset"]
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.buffer[offset:offset + nbytes].view(dtype).view(shape)
+
+    def error_word(self) -> torch.Tensor:
+        """int32 [4]: (code, offending value, token, slot); code 0 = no error since the last pre_dispatch."""
+        return self.view("error", (4,), torch.int32)
+
+    def check_error(self) -> None:
+        """Reads the error word (a host sync) and raises ValueError if a kernel skipped bad input."""
+        code, value, token, slot = self.error_word().tolist()
+        if code == 0:
+            return
+        self.error_word().zero_()
+        what = ERROR_CODES.get(code, f"unknown error code {code}")
+        if code == 1:
+            raise ValueError(f"topk_idx: {what}: got {value} at token {token}, slot {slot} "
+                             f"(num_experts = {self.num_experts}); the slot was skipped")
+        raise ValueError(f"{what}: got {value} (max_tokens_per_rank = {self.max_tokens_per_rank})")
+
+
+def checked_mode(check: Optional[bool]) -> bool:
+    """Whether a call reads the error word: the argument, else MEGAMOE_CHECK=1. Never while tracing or
+    capturing (that would need a host sync)."""
+    enabled = check if check is not None else os.environ.get("MEGAMOE_CHECK", "0") == "1"
+    if not enabled or torch.compiler.is_compiling():
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def get_symm_buffer(group, num_experts: int, max_tokens_per_rank: int, top_k: int, hidden: int,
+                    intermediate: int, act_format: str = "fp8",
+                    device: Optional[torch.device | str] = None) -> MegaMoEBuffer:
+    """Allocate the buffer for one rank of ``group`` (None or a one-rank group: a plain tensor).
+
+    Args:
+        group: ``torch.distributed`` process group of the expert-parallel ranks, or None (one rank).
+        num_experts: global number of experts E (split evenly over the ranks).
+        max_tokens_per_rank: capacity T_max; every call on this rank must have T <= T_max.
+        top_k: experts per token K.
+        hidden: H, a multiple of 128. intermediate: I, a multiple of 128.
+        act_format: "fp8" (default) or "fp4" (FP4 halves the activation bytes).
+        device: defaults to the current CUDA device if CUDA is available, else CPU.
+    """
+    if act_format not in ACT_FORMATS:
+        raise ValueError(f"act_format: expected one of {ACT_FORMATS}, got {act_format!r}")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    num_ranks, rank = 1, 0
+    if group is not None:
+        import torch.distributed as dist
+        num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    layout = buffer_layout(num_experts, num_ranks, max_tokens_per_rank, top_k, hidden, intermediate, act_format)
+    handle = None
+    if num_ranks == 1:
+        buf = torch.zeros(layout["total_bytes"], dtype=torch.uint8, device=device)
+    else:
+        if device.type != "cuda":
+            raise ValueError(f"device: expert parallelism needs CUDA symmetric memory, got {device}")
+        import torch.distributed._symmetric_memory as symm_mem
+        buf = symm_mem.empty(layout["total_bytes"], dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(buf, group)
+        buf.zero_()
+        handle.barrier()
+    return MegaMoEBuffer(buf, num_experts, num_ranks, rank, max_tokens_per_rank, top_k, hidden, intermediate,
+                         act_format, group=group, handle=handle)
