@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, GPU tests, benchmark. Logs under $OUT (or ./device_out).
+#   benchmarks/device_check.sh [build|test|bench|all|quick] [pytest -k expression]
+set -uo pipefail
+what=${1:-all}
+kexpr=${2:-}
+out=${OUT:-device_out}
+mkdir -p "$out"
+export CXX=/usr/bin/g++ CC=/usr/bin/gcc TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$out/gpu.txt"
+
+start=$(date +%s)
+python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+[ "$what" = build ] && exit 0
+
+if [ "$what" = quick ] || [ "$what" = test ] || [ "$what" = all ]; then
+  args=(-q -x --timeout=900 -p no:cacheprovider)
+  [ "$what" = quick ] && args+=(-m gpu)
+  [ -n "$kexpr" ] && args+=(-k "$kexpr")
+  python3 -m pytest tests "${args[@]}" 2>&1 | tee "$out/tests.log" | tail -40
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 benchmarks/bench_moe.py --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.log"
+fi
