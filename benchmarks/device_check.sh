@@ -16,7 +16,7 @@ echo "build: $(( $(date +%s) - start )) s"
 [ "$what" = build ] && exit 0
 
 if [ "$what" = quick ] || [ "$what" = test ] || [ "$what" = all ]; then
-  args=(-q -x --timeout=900 -p no:cacheprovider)
+  args=(-q --timeout=900 -p no:cacheprovider)
   [ "$what" = quick ] && args+=(-m gpu)
   [ -n "$kexpr" ] && args+=(-k "$kexpr")
   python3 -m pytest tests "${args[@]}" 2>&1 | tee "$out/tests.log" | tail -40

@@ -54,8 +54,10 @@ BufferArgs check_buffer(const at::Tensor& buffer, int64_t num_experts, int64_t n
                     b.layout.total_bytes, " bytes for this configuration (act_format '",
                     to_string(act_format), "'), got ", buffer.numel(),
                     "; allocate it with megamoe.get_symm_buffer for the same sizes");
-  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(buffer.data_ptr()) % layout::kAlignment == 0,
-                    "buffer: expected a ", layout::kAlignment, "-byte aligned start");
+  // TMA needs 16-byte aligned global addresses; regions sit at 128-byte offsets from the start.
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(buffer.data_ptr()) % 16 == 0,
+                    "buffer: expected a 16-byte aligned start (a fresh allocation), got address ",
+                    buffer.data_ptr());
   return b;
 }
 
