@@ -15,8 +15,8 @@ struct GroupedGemmConfig {
   int num_stages;  // TMA pipeline depth
 };
 
-// Shared memory one stage takes: 256 x 128 weight bytes + block_m x 128 token bytes + scales.
-constexpr int stage_bytes(int block_m) { return 256 * 128 + block_m * 128 + (block_m * 4 + 127) / 128 * 128; }
+// Shared memory one stage takes: 256 x 128 weight bytes + block_m x 128 token bytes.
+constexpr int stage_bytes(int block_m) { return 256 * 128 + block_m * 128; }
 
 // Deepest TMA pipeline that fits beside the largest epilogue (L2: block_m x 256 bf16) in the 227 KB a
 // block may use (minus alignment slack and barriers): 6, 5 and 4 stages for block_m 16, 32 and 64.

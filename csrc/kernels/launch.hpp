@@ -34,16 +34,16 @@ void launch_combine(void* y, const uint8_t* buffer, const layout::BufferLayout& 
 struct GroupedGemmArgs {
   CUtensorMap tmap_weights;  // fp8 [E * n, k], box {128, 256}, 128B swizzle
   CUtensorMap tmap_acts;     // fp8 [pool_rows, k], box {128, block_m}, 128B swizzle
-  CUtensorMap tmap_acts_sf;  // float32 [k / 128, pool_rows], box {block_m, 1}
   const float* weights_sf;   // float32 [E, n / 64, k / 128]
+  const float* acts_sf;      // float32 [k / 128, pool_rows]
   int n, k;
   bool is_l1;                // L1: SwiGLU + FP8 requant into the pool; L2: bf16 rows into combine
   float activation_clamp;    // < 0: no clamp
   bool fast_math;
 };
-// 2D tensor map over a row-major matrix [outer, inner] of uint8 or float32 elements.
-CUtensorMap make_tensor_map_2d(const void* base, bool is_float32, uint64_t inner, uint64_t outer,
-                               uint64_t row_stride_bytes, uint32_t box_inner, uint32_t box_outer, bool swizzle_128b);
+// 2D tensor map over a row-major byte matrix [outer, inner], 128-byte swizzled boxes {box_inner, box_outer}.
+CUtensorMap make_tensor_map_2d(const void* base, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
+                               uint32_t box_inner, uint32_t box_outer);
 
 void launch_fp8_grouped_gemm(const GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
                              int block_m, int num_sms, cudaStream_t stream);

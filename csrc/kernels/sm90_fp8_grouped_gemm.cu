@@ -23,7 +23,7 @@ void launch_config(const GroupedGemmArgs& a, const GemmParams& p, int num_sms, c
   std::call_once(once, [&] {
     MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kBytes));
   });
-  kernel<<<num_sms, kNumThreads, Smem::kBytes, stream>>>(a.tmap_weights, a.tmap_acts, a.tmap_acts_sf, p);
+  kernel<<<num_sms, kNumThreads, Smem::kBytes, stream>>>(a.tmap_weights, a.tmap_acts, p);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -33,6 +33,7 @@ void launch_fp8_grouped_gemm(const GroupedGemmArgs& args, uint8_t* buffer, const
                              int block_m, int num_sms, cudaStream_t stream) {
   GemmParams p;
   p.weights_sf = args.weights_sf;
+  p.acts_sf = args.acts_sf;
   p.buffer = buffer;
   p.l = layout;
   p.n = args.n;
@@ -77,17 +78,16 @@ EncodeTiledFn encode_tiled() {
 
 }  // namespace
 
-CUtensorMap make_tensor_map_2d(const void* base, bool is_float32, uint64_t inner, uint64_t outer,
-                               uint64_t row_stride_bytes, uint32_t box_inner, uint32_t box_outer, bool swizzle_128b) {
+CUtensorMap make_tensor_map_2d(const void* base, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
+                               uint32_t box_inner, uint32_t box_outer) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {inner, outer};
   const cuuint64_t strides[1] = {row_stride_bytes};
   const cuuint32_t box[2] = {box_inner, box_outer};
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUresult r = encode_tiled()(
-      &map, is_float32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base),
-      dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw std::runtime_error("megamoe: cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r)));

@@ -20,6 +20,11 @@
 
 namespace megamoe::kernels {
 
+#ifndef MEGAMOE_PRODUCER_SETMAXNREG
+#define MEGAMOE_PRODUCER_SETMAXNREG ptx::setmaxnreg_dec<40>()
+#define MEGAMOE_CONSUMER_SETMAXNREG ptx::setmaxnreg_inc<232>()
+#endif
+
 constexpr int kBlockN = 256;           // weight rows per tile
 constexpr int kBlockK = 128;           // K per stage (one scale block, one 128-byte swizzle row)
 constexpr int kNumThreads = 384;
@@ -27,6 +32,7 @@ constexpr int kNumConsumerThreads = 256;
 
 struct GemmParams {
   const float* weights_sf;  // [E, n / 64, k / 128]
+  const float* acts_sf;     // [k / 128, pool_rows] (K-block-major: a K block's token scales are contiguous)
   uint8_t* buffer;
   layout::BufferLayout l;
   int n, k;
@@ -38,9 +44,8 @@ template <int kBlockM, int kNumStages, bool kIsL1>
 struct GemmSmem {
   static constexpr int kTileA = kBlockN * kBlockK;       // bytes
   static constexpr int kTileB = kBlockM * kBlockK;       // bytes
-  static constexpr int kTileSF = (kBlockM * 4 + 127) / 128 * 128;
   static constexpr int kEpilogue = kIsL1 ? kBlockM * 128 + 8 * kBlockM * 4 : kBlockM * kBlockN * 2;
-  static constexpr int kBytes = 1024 /* alignment slack */ + kNumStages * (kTileA + kTileB + kTileSF) + kEpilogue +
+  static constexpr int kBytes = 1024 /* alignment slack */ + kNumStages * (kTileA + kTileB) + kEpilogue +
                                 2 * kNumStages * 8;
 };
 
@@ -76,8 +81,7 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_offset
 template <int kBlockM, int kNumStages, bool kIsL1>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
-                                 const __grid_constant__ CUtensorMap tmap_acts,
-                                 const __grid_constant__ CUtensorMap tmap_acts_sf, GemmParams p) {
+                                 const __grid_constant__ CUtensorMap tmap_acts, GemmParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Smem = GemmSmem<kBlockM, kNumStages, kIsL1>;
   using Mma = ptx::WgmmaFP8<kBlockM>;
@@ -89,8 +93,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* tile_a = smem;
   uint8_t* tile_b = tile_a + kNumStages * Smem::kTileA;
-  float* tile_sf = reinterpret_cast<float*>(tile_b + kNumStages * Smem::kTileB);
-  uint8_t* epilogue = reinterpret_cast<uint8_t*>(tile_sf) + kNumStages * Smem::kTileSF;
+  uint8_t* epilogue = tile_b + kNumStages * Smem::kTileB;
   uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + Smem::kEpilogue);
   uint64_t* empty = full + kNumStages;
 
@@ -115,11 +118,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (warpgroup == 0) {
     // ======================================================================== producer
-    ptx::setmaxnreg_dec<40>();
+    MEGAMOE_PRODUCER_SETMAXNREG;
     if (threadIdx.x == 0) {
       ptx::prefetch_tensormap(&tmap_weights);
       ptx::prefetch_tensormap(&tmap_acts);
-      ptx::prefetch_tensormap(&tmap_acts_sf);
       int stage = 0;
       uint32_t phase = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -127,11 +129,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const int weight_row = t.expert * p.n + t.n_block * kBlockN;
         for (int kb = 0; kb < num_kblocks; ++kb) {
           ptx::mbarrier_wait(&empty[stage], phase ^ 1);
-          ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + Smem::kTileB + kBlockM * 4);
+          ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + Smem::kTileB);
           ptx::tma_load_2d(tile_a + stage * Smem::kTileA, &tmap_weights, &full[stage], kb * kBlockK, weight_row);
           ptx::tma_load_2d(tile_b + stage * Smem::kTileB, &tmap_acts, &full[stage], kb * kBlockK, t.row0);
-          ptx::tma_load_2d(reinterpret_cast<uint8_t*>(tile_sf) + stage * Smem::kTileSF, &tmap_acts_sf, &full[stage],
-                           t.row0, kb);
           if (++stage == kNumStages) stage = 0, phase ^= 1;
         }
       }
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
 
   // ========================================================================== consumers
-  ptx::setmaxnreg_inc<232>();
+  MEGAMOE_CONSUMER_SETMAXNREG;
   const int consumer = warpgroup - 1;                 // owns weight rows [128 c, 128 c + 128) of the tile
   const int warp = (threadIdx.x / 32) % 4;            // warp within the warpgroup
   const int ctid = threadIdx.x - 128;                 // 0..255 over both consumers
@@ -163,7 +163,17 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     for (int i = 0; i < kRegs; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
 
     for (int kb = 0; kb < num_kblocks; ++kb) {
+      // Scales are loaded before waiting on the stage so their latency hides behind the TMA wait.
       const float ws0 = valid0 ? __ldg(wsf + kb) : 0.0f, ws1 = valid1 ? __ldg(wsf + num_kblocks + kb) : 0.0f;
+      // Token scales of this thread's columns (rows past the pool end read as 0; never stored).
+      const float* sf = p.acts_sf + int64_t(kb) * l.pool_rows + t.row0;
+      float col_sf[kBlockM / 4];
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const int col = 8 * j + 2 * (lane % 4);
+        col_sf[2 * j] = t.row0 + col < l.pool_rows ? __ldg(sf + col) : 0.0f;
+        col_sf[2 * j + 1] = t.row0 + col + 1 < l.pool_rows ? __ldg(sf + col + 1) : 0.0f;
+      }
       ptx::mbarrier_wait(&full[stage], phase);
       float part0[kRegs], part1[kRegs];
       const uint8_t* a = tile_a + stage * Smem::kTileA + consumer * 128 * kBlockK;
@@ -182,14 +192,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
 
-      // Token scales of this thread's columns, read before the stage is handed back.
-      const float* sf = tile_sf + stage * (Smem::kTileSF / 4);
-      float col_sf[kBlockM / 4];
-#pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        col_sf[2 * j] = sf[8 * j + 2 * (lane % 4)];
-        col_sf[2 * j + 1] = sf[8 * j + 2 * (lane % 4) + 1];
-      }
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
       if (++stage == kNumStages) stage = 0, phase ^= 1;

@@ -82,9 +82,9 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
 
   // ---- L1: dispatch rows x w13 -> SwiGLU -> FP8 pool
   kernels::GroupedGemmArgs g1;
-  g1.tmap_weights = kernels::make_tensor_map_2d(l1_weights.data_ptr(), false, h, e * 2 * inter, h, 128, 256, true);
-  g1.tmap_acts = kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, false, h, rows, l.token_bytes, 128, bm, true);
-  g1.tmap_acts_sf = kernels::make_tensor_map_2d(buf + l.dispatch_sf_offset, true, rows, h / 128, rows * 4, bm, 1, false);
+  g1.tmap_weights = kernels::make_tensor_map_2d(l1_weights.data_ptr(), h, e * 2 * inter, h, 128, 256);
+  g1.tmap_acts = kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, h, rows, l.token_bytes, 128, bm);
+  g1.acts_sf = reinterpret_cast<const float*>(buf + l.dispatch_sf_offset);
   g1.weights_sf = l1_weights_sf.data_ptr<float>();
   g1.n = static_cast<int>(2 * inter);
   g1.k = static_cast<int>(h);
@@ -95,9 +95,9 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
 
   // ---- L2: pool x w2 -> bf16 rows in the combine area
   kernels::GroupedGemmArgs g2 = g1;
-  g2.tmap_weights = kernels::make_tensor_map_2d(l2_weights.data_ptr(), false, inter, e * h, inter, 128, 256, true);
-  g2.tmap_acts = kernels::make_tensor_map_2d(buf + l.pool_offset, false, inter, rows, l.pool_row_bytes, 128, bm, true);
-  g2.tmap_acts_sf = kernels::make_tensor_map_2d(buf + l.pool_sf_offset, true, rows, inter / 128, rows * 4, bm, 1, false);
+  g2.tmap_weights = kernels::make_tensor_map_2d(l2_weights.data_ptr(), inter, e * h, inter, 128, 256);
+  g2.tmap_acts = kernels::make_tensor_map_2d(buf + l.pool_offset, inter, rows, l.pool_row_bytes, 128, bm);
+  g2.acts_sf = reinterpret_cast<const float*>(buf + l.pool_sf_offset);
   g2.weights_sf = l2_weights_sf.data_ptr<float>();
   g2.n = static_cast<int>(h);
   g2.k = static_cast<int>(inter);
