@@ -1,0 +1,202 @@
+"""Single-GPU fused expert layer vs the hardware floor and vs a peer pipeline, DeepSeek-V4 shapes.
+
+    python benchmarks/bench_moe.py [--models V4-Flash,V4-Pro] [--tokens 1,16,...] [--json out.json] [--plot out.png]
+
+For each (model, T): megamoe's time (CUDA-graph replay of pre_dispatch + fused op, L2 flushed, median);
+the floor = max(touched experts' weight bytes / copy bandwidth, FLOPs / dense FP8 matmul rate), both
+ceilings measured in this run; and a peer pipeline a user could write today with torch alone (routing by
+argsort, torch._scaled_grouped_mm FP8 with row-wise scales, SwiGLU, index_add), also graph-replayed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+
+import torch
+
+import megamoe
+from megamoe import formats
+
+import bench_utils as bu
+
+MODELS = {
+    "V4-Flash": dict(num_experts=256, top_k=6, hidden=4096, intermediate=2048),
+    "V4-Pro": dict(num_experts=384, top_k=6, hidden=7168, intermediate=3072),
+}
+TOKENS = (1, 16, 128, 512, 2048, 8192)
+
+
+# ------------------------------------------------------------------------------------------------
+# Layer and routing
+# ------------------------------------------------------------------------------------------------
+def make_fp8_weights(num_experts, n, k, gen):
+    """Checkpoint-layout FP8 block weights [E, n, k] + float32 [E, n/128, k/128], built expert by expert."""
+    w = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device="cuda")
+    sf = torch.empty(num_experts, n // 128, k // 128, dtype=torch.float32, device="cuda")
+    for e in range(num_experts):
+        master = torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)
+        w[e], sf[e] = formats.quantize_fp8_block2d(master)
+    return w, sf
+
+
+def make_layer(cfg, gen):
+    e, h, i = cfg["num_experts"], cfg["hidden"], cfg["intermediate"]
+    w13, sf13 = make_fp8_weights(e, 2 * i, h, gen)
+    l1 = megamoe.transform_weights(w13, sf13, weight_format="fp8", is_l1=True)
+    del w13, sf13
+    w2, sf2 = make_fp8_weights(e, h, i, gen)
+    l2 = megamoe.transform_weights(w2, sf2, weight_format="fp8", is_l1=False)
+    del w2, sf2
+    return l1, l2
+
+
+def make_routing(num_tokens, num_experts, top_k, gen):
+    scores = torch.rand(num_tokens, num_experts, device="cuda", generator=gen)
+    weights, idx = scores.topk(top_k, dim=1)
+    return idx.to(torch.int64), torch.softmax(weights, dim=1).float()
+
+
+# ------------------------------------------------------------------------------------------------
+# Peer: torch routing + torch._scaled_grouped_mm (row-wise FP8) + SwiGLU + index_add
+# ------------------------------------------------------------------------------------------------
+class PeerPipeline:
+    """Reads the same FP8 weight bytes (kernel layout: L1 gate/up rows interleaved by 64, which the
+    peer's SwiGLU undoes with a view) with one float32 scale per output row."""
+
+    def __init__(self, l1, l2, cfg):
+        self.e, self.k = cfg["num_experts"], cfg["top_k"]
+        self.inter = cfg["intermediate"]
+        self.w13t = l1[0].transpose(1, 2)  # [E, H, 2I], column-major as _scaled_grouped_mm wants
+        self.w2t = l2[0].transpose(1, 2)   # [E, I, H]
+        self.s13 = l1[1][:, :, 0].repeat_interleave(64, dim=1).contiguous()  # [E, 2I]
+        self.s2 = l2[1][:, :, 0].repeat_interleave(64, dim=1).contiguous()   # [E, H]
+
+    @staticmethod
+    def _quant_rows(t):
+        scale = t.abs().amax(dim=1).float().clamp_min(1e-4) / 448.0
+        return (t.float() / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+    def __call__(self, x, idx, weights, y):
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.e, dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        tokens = order // self.k
+        xq, xs = self._quant_rows(x[tokens])
+        h = torch._scaled_grouped_mm(xq, self.w13t, scale_a=xs, scale_b=self.s13, offs=offs, out_dtype=torch.bfloat16)
+        h = h.view(-1, self.inter // 64, 2, 64)
+        g, u = h[:, :, 0].reshape(-1, self.inter).float(), h[:, :, 1].reshape(-1, self.inter).float()
+        a = torch.nn.functional.silu(g) * u * weights.flatten()[order][:, None]
+        aq, as_ = self._quant_rows(a)
+        o = torch._scaled_grouped_mm(aq, self.w2t, scale_a=as_, scale_b=self.s2, offs=offs, out_dtype=torch.bfloat16)
+        y.zero_()
+        y.index_add_(0, tokens, o)
+
+
+# ------------------------------------------------------------------------------------------------
+def run(models, tokens, ceilings):
+    rows = []
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    for name in models:
+        cfg = MODELS[name]
+        e, k, h, i = cfg["num_experts"], cfg["top_k"], cfg["hidden"], cfg["intermediate"]
+        l1, l2 = make_layer(cfg, gen)
+        peer = PeerPipeline(l1, l2, cfg)
+        expert_bytes = 3 * i * h + (l1[1][0].numel() + l2[1][0].numel()) * 4
+        for t in tokens:
+            x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
+            idx, w = make_routing(t, e, k, gen)
+            buf = megamoe.get_symm_buffer(None, e, t, k, h, i)
+            y = torch.empty_like(x)
+
+            def ours():
+                megamoe.pre_dispatch(x, idx, w, buf)
+                megamoe.fp8_mega_moe(y, l1, l2, buf)
+
+            us = bu.time_graph(ours)
+            eager_us = bu.time_events(ours) if t == 1 else None
+            y_ours = y.clone()
+            y_peer = torch.empty_like(x)
+            try:
+                peer_us = bu.time_graph(lambda: peer(x, idx, w, y_peer))
+                diff = ((y_peer.double() - y_ours.double()).norm() / y_ours.double().norm()).item()
+            except (RuntimeError, NotImplementedError) as err:  # peer op missing on this torch/GPU
+                print(f"peer unavailable: {err}")
+                peer_us, diff = None, None
+            touched = torch.unique(idx).numel()
+            nbytes = touched * expert_bytes
+            flops = 2 * t * k * 3 * i * h
+            floor_us = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["fp8_flops_per_s"]) * 1e6
+            rows.append(dict(op="fp8_mega_moe", format="fp8", act_format="fp8", model=name, ranks=1,
+                             tokens_per_rank=t, us=round(us, 2), floor_us=round(floor_us, 2),
+                             time_over_floor=round(us / floor_us, 3), peer="torch._scaled_grouped_mm",
+                             peer_us=None if peer_us is None else round(peer_us, 2),
+                             speedup=None if peer_us is None else round(peer_us / us, 3),
+                             tflops=round(flops / us / 1e6, 1), gbps=round(nbytes / us / 1e3, 1),
+                             eager_us=None if eager_us is None else round(eager_us, 2),
+                             peer_rel_diff=None if diff is None else round(diff, 4), touched_experts=touched))
+            r = rows[-1]
+            print(f"{name:9s} T={t:5d} | {us:9.1f} us | floor {floor_us:9.1f} us | x{r['time_over_floor']:5.2f} | "
+                  f"peer {r['peer_us'] or float('nan'):9.1f} us | speedup {r['speedup'] or float('nan'):5.2f} | "
+                  f"{r['tflops']:6.1f} TFLOP/s | {r['gbps']:7.1f} GB/s" +
+                  (f" | eager {eager_us:.1f} us" if eager_us else ""), flush=True)
+            del buf
+        del l1, l2, peer
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for model in sorted({r["model"] for r in rows}):
+        rs = [r for r in rows if r["model"] == model]
+        ts = [r["tokens_per_rank"] for r in rs]
+        axes[0].plot(ts, [r["time_over_floor"] for r in rs], marker="o", label=f"{model} {rs[0]['format']}")
+        axes[1].plot(ts, [r["speedup"] or float("nan") for r in rs], marker="o", label=model)
+    axes[0].set(xscale="log", xlabel="tokens", ylabel="time / floor", title="megamoe vs hardware floor")
+    axes[1].set(xscale="log", xlabel="tokens", ylabel="speedup", title="vs torch._scaled_grouped_mm pipeline")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="V4-Flash,V4-Pro")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    args = ap.parse_args()
+    ceilings = {"copy_bytes_per_s": bu.measure_copy_bandwidth(), "fp8_flops_per_s": bu.measure_fp8_matmul_flops()}
+    print(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
+          f"FP8 matmul {ceilings['fp8_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    rows = run(args.models.split(","), [int(t) for t in args.tokens.split(",")], ceilings)
+    commit = os.environ.get("MEGAMOE_COMMIT")  # the device copy of the tree carries no .git
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(__file__)).stdout.strip() or None
+        except OSError:
+            commit = None
+    result = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+              "torch": torch.__version__, "commit": commit, "ceilings": ceilings, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

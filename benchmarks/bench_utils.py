@@ -1,0 +1,69 @@
+"""Shared timing helpers: warm-up, L2 flush, CUDA-graph replay, medians; and the hardware ceilings
+measured in the same run (copy bandwidth, dense FP8 matmul rate)."""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+_FLUSH = None
+
+
+def flush_l2() -> None:
+    """Evict the L2 cache (50-60 MB on H100/H200) by writing a 256 MB buffer."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    _FLUSH.zero_()
+
+
+def time_graph(fn: Callable[[], None], *, iters: int = 20, warmup: int = 3, flush: bool = True) -> float:
+    """Median microseconds of one replay of a CUDA graph holding `fn`, L2 flushed before each replay."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return time_events(graph.replay, iters=iters, warmup=warmup, flush=flush)
+
+
+def time_events(fn: Callable[[], None], *, iters: int = 20, warmup: int = 3, flush: bool = True) -> float:
+    """Median microseconds of `fn` between two CUDA events, L2 flushed before each run."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if flush:
+            flush_l2()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    us = time_events(lambda: dst.copy_(src), iters=10, flush=False)
+    return 2 * src.numel() / (us * 1e-6)
+
+
+def measure_fp8_matmul_flops(n: int = 8192) -> float:
+    """Dense FP8 matmul rate (FLOP/s) of torch._scaled_mm on random data, n x n x n."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    us = time_events(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                     iters=10, flush=False)
+    return 2 * n ** 3 / (us * 1e-6)
