@@ -69,6 +69,16 @@ def noncontig(t):
     return wide[..., ::2]
 
 
+def misaligned_copy(t):
+    """A copy of ``t`` starting 8 bytes past a 16-byte boundary."""
+    base = torch.empty(t.numel() + 64, dtype=t.dtype)
+    start = (8 - base.data_ptr()) % 16
+    out = base[start:start + t.numel()]
+    out.copy_(t)
+    assert out.data_ptr() % 16 == 8
+    return out
+
+
 def with_config(buf, **changes):
     return dataclasses.replace(buf, **changes)
 
@@ -114,6 +124,9 @@ CASES = [
     ("pd-buffer-too-small", ("fp8", "fp8"),
      lambda c: c.pre_dispatch(buffer=with_config(c.buf, buffer=c.buf.buffer[:-128])), ValueError,
      ["buffer", "bytes"]),
+    ("pd-buffer-misaligned", ("fp8", "fp8"),
+     lambda c: c.pre_dispatch(buffer=with_config(c.buf, buffer=misaligned_copy(c.buf.buffer))), ValueError,
+     ["buffer", "16-byte aligned"]),
     ("pd-buffer-2d", ("fp8", "fp8"),
      lambda c: c.pre_dispatch(buffer=with_config(c.buf, buffer=c.buf.buffer.view(-1, 128))), ValueError,
      ["buffer", "1 dimensions"]),
