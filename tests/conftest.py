@@ -2,7 +2,7 @@
 
 Import what you need from a test module (pytest puts ``tests/`` on ``sys.path``)::
 
-    from conftest import COMBOS, DEVICES, make_case, rel_err, requires_cuda
+    from conftest import COMBOS, devices, make_case, rel_err, requires_cuda
 
 - :func:`make_case` builds one random problem: layer, routing, inputs, kernel-layout weights, a buffer and
   the emulating reference output (DESIGN.md §3).
@@ -10,8 +10,8 @@ Import what you need from a test module (pytest puts ``tests/`` on ``sys.path``)
   finite, so NaN/Inf never pass).
 - :func:`assert_bitwise_equal` is ``torch.equal`` that reports the first mismatching coordinate.
 - :data:`requires_cuda` (decorator) / :data:`CUDA_MARKS` (for ``pytestmark`` or ``pytest.param``) mark a
-  test ``gpu`` and skip it without a GPU; :data:`DEVICES` is ``["cpu"]`` plus ``"cuda"`` (marked) when
-  one is available.
+  test ``gpu`` and skip it without a GPU; :data:`devices` is ``["cpu"]`` plus ``"cuda"`` (marked) when
+  one is available, for ``@pytest.mark.parametrize("device", devices)`` (or use the ``device`` fixture).
 """
 from __future__ import annotations
 
@@ -43,11 +43,11 @@ def requires_cuda(obj):
     return obj
 
 
-# For @pytest.mark.parametrize("device", DEVICES): "cuda" is only listed when present, and marked gpu.
-DEVICES = ["cpu"] + ([pytest.param("cuda", marks=CUDA_MARKS)] if HAS_CUDA else [])
+# For @pytest.mark.parametrize("device", devices): "cuda" is only listed when present, and marked gpu.
+devices = ["cpu"] + ([pytest.param("cuda", marks=CUDA_MARKS)] if HAS_CUDA else [])
 
 
-@pytest.fixture(params=DEVICES)
+@pytest.fixture(params=devices)
 def device(request) -> str:
     """Runs a test once per available device."""
     return request.param

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import megamoe
-from conftest import CUDA_MARKS, COMBOS, make_case, random_layer, requires_cuda
+from conftest import COMBOS, devices, make_case, random_layer, requires_cuda
 
 ops = torch.ops.megamoe
 E, H, I, K = 8, 256, 256, 2
@@ -63,10 +63,11 @@ def test_opcheck_get_buffer_layout(cfg):
     assert out.dtype == torch.int64 and out.shape == (len(megamoe.ops.BUFFER_LAYOUT_FIELDS),)
 
 
+@pytest.mark.parametrize("device", devices)
 @pytest.mark.parametrize("is_l1", [True, False], ids=["l1", "l2"])
 @pytest.mark.parametrize("weight_format", ["fp8", "mxfp4", "nvfp4"])
-def test_opcheck_transform_weights(weight_format, is_l1):
-    lay = random_layer(E, H, I, weight_format)
+def test_opcheck_transform_weights(weight_format, is_l1, device):
+    lay = random_layer(E, H, I, weight_format, device=device)
     name = "w13" if is_l1 else "w2"
     opcheck(ops.transform_weights.default, (lay[name], lay[f"{name}_sf"], lay[f"{name}_global_sf"], weight_format,
                                             is_l1))
@@ -116,15 +117,8 @@ def test_opcheck_leaves_args_alone_and_op_still_matches():
 
 
 # ------------------------------------------------------------------------------------------------
-# opcheck, CUDA (only the FP8 fused kernel exists there)
+# opcheck, CUDA (only the FP8 fused kernel exists there; transform_weights runs on both devices above)
 # ------------------------------------------------------------------------------------------------
-@requires_cuda
-@pytest.mark.parametrize("weight_format", ["fp8", "mxfp4", "nvfp4"])
-def test_opcheck_transform_weights_cuda(weight_format):
-    lay = random_layer(E, H, I, weight_format, device="cuda")
-    opcheck(ops.transform_weights.default, (lay["w13"], lay["w13_sf"], lay["w13_global_sf"], weight_format, True))
-
-
 @requires_cuda
 @pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"{c[0]}-a{c[1]}")
 def test_opcheck_pre_dispatch_cuda(combo):

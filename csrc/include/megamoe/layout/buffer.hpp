@@ -73,11 +73,10 @@ struct BufferLayout {
     // FP4: packed E2M1; scales: UE4M3 per 16 (K/16 bytes) covers UE8M0 per 32.
     l.token_bytes = act_fp4 ? hidden / 2 : hidden;
     l.token_sf_bytes = act_fp4 ? hidden / 16 : hidden / 32;
-    // NOTES: a token sends each of its slots to a distinct expert, so a rank receives at most
-    // min(top_k, num_local_experts) rows per token of every rank.
-    const int64_t per_token = top_k < l.num_local_experts ? top_k : l.num_local_experts;
-    // Rounded up so K-block-major scale rows stay 16-byte aligned for TMA.
-    l.pool_rows = align_up(num_ranks * max_tokens_per_rank * per_token, 128);
+    // NOTES: one row per (token, slot) of every rank: the worst case (all slots of all ranks on this
+    // rank's experts) fits, and so do repeated ids within a token: a row index can never leave the pool.
+    // Rounded up so K-block-major scale rows stay 16-byte aligned.
+    l.pool_rows = align_up(num_ranks * max_tokens_per_rank * top_k, 128);
     l.pool_row_bytes = act_fp4 ? intermediate / 2 : intermediate;
     l.pool_row_sf_bytes = act_fp4 ? intermediate / 16 : intermediate / 32;
 

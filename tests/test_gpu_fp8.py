@@ -1,0 +1,252 @@
+"""sm90 FP8 path (pre_dispatch + fp8_mega_moe) on the GPU vs the emulating reference.
+
+Skipped without a GPU. Tolerance (DESIGN.md §3): relative Frobenius error <= 1e-2 vs
+megamoe.reference (float32), NaN/Inf never pass. Outputs are poisoned with NaN before each call.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+import megamoe
+from megamoe import formats, reference
+from conftest import CUDA_MARKS, make_case, rel_err
+
+pytestmark = list(CUDA_MARKS)
+TOL = 1e-2
+MODELS = {"V4-Flash": (256, 6, 4096, 2048), "V4-Pro": (384, 6, 7168, 3072)}
+
+
+def run_poisoned(case, **kwargs):
+    megamoe.pre_dispatch(case.x, case.topk_idx, case.topk_weights, case.buffer, weight_format="fp8")
+    y = torch.full_like(case.x, float("nan"))
+    megamoe.fp8_mega_moe(y, case.l1, case.l2, case.buffer, **kwargs)
+    return y
+
+
+# ------------------------------------------------------------------------------------------------
+# Small odd shapes, edge cases
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(8, 256, 384, 3), (16, 384, 256, 4), (5, 128, 128, 2), (64, 640, 896, 8)])
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 113, 333])
+def test_small_shapes(shape, num_tokens):
+    e, h, i, k = shape
+    case = make_case(e, h, i, k, num_tokens, device="cuda", seed=num_tokens + e)
+    y = run_poisoned(case)
+    assert y.shape == case.ref.shape
+    if num_tokens:
+        assert rel_err(y, case.ref) <= TOL
+
+
+def test_masked_tokens_are_zero():
+    case = make_case(8, 256, 384, 3, 64, device="cuda", masked_fraction=0.5, seed=3)
+    idx = case.topk_idx.clone()
+    idx[::4] = -1  # every 4th token has no valid slot
+    case.topk_idx = idx
+    y = run_poisoned(case)
+    assert torch.equal(y[::4], torch.zeros_like(y[::4]))
+    assert rel_err(y, case.reference(topk_idx=idx)) <= TOL
+
+
+def test_all_tokens_one_expert():
+    case = make_case(16, 256, 256, 4, 300, device="cuda", masked_fraction=0.0, seed=4)
+    idx = torch.full_like(case.topk_idx, -1)
+    idx[:, 0] = 5
+    case.topk_idx = idx
+    y = run_poisoned(case)
+    assert rel_err(y, case.reference(topk_idx=idx)) <= TOL
+
+
+def test_int64_ids_equal_int32():
+    case = make_case(8, 256, 384, 3, 50, device="cuda", seed=5)
+    y32 = run_poisoned(case)
+    case.topk_idx = case.topk_idx.to(torch.int64)
+    y64 = run_poisoned(case)
+    assert torch.equal(y32, y64)
+
+
+@pytest.mark.parametrize("clamp", [None, 0.5, 3.0])
+def test_activation_clamp(clamp):
+    case = make_case(8, 256, 384, 3, 40, device="cuda", seed=6)
+    case.x = case.x * 4  # make the clamp bite
+    y = run_poisoned(case, activation_clamp=clamp)
+    ref = case.reference(activation_clamp=clamp)
+    assert rel_err(y, ref) <= TOL
+    if clamp == 0.5:
+        assert rel_err(y, case.reference()) > 10 * TOL
+
+
+def test_deterministic_and_fully_overwritten():
+    case = make_case(32, 512, 384, 6, 500, device="cuda", seed=7)
+    first = run_poisoned(case)
+    for _ in range(3):
+        assert torch.equal(run_poisoned(case), first)
+
+
+def test_recv_stats_counts_rows_per_expert():
+    case = make_case(16, 256, 256, 4, 77, device="cuda", seed=8)
+    stats = torch.zeros(16, dtype=torch.int32, device="cuda")
+    run_poisoned(case, recv_stats=stats)
+    run_poisoned(case, recv_stats=stats)
+    ids = case.topk_idx[case.topk_idx >= 0].long()
+    expected = 2 * torch.bincount(ids, minlength=16).int()
+    assert torch.equal(stats, expected)
+
+
+def test_bad_expert_id_skipped_and_reported():
+    case = make_case(8, 256, 384, 3, 20, device="cuda", masked_fraction=0.0, seed=9)
+    idx = case.topk_idx.clone()
+    idx[3, 1] = 8  # == num_experts
+    masked = idx.clone()
+    masked[3, 1] = -1
+    case.topk_idx = idx
+    y = run_poisoned(case)  # not checked: the slot is skipped
+    assert rel_err(y, case.reference(topk_idx=masked)) <= TOL
+    with pytest.raises(ValueError, match=r"topk_idx.*got 8 at token 3, slot 1"):
+        run_poisoned(case, check=True)
+
+
+def test_capacity_larger_than_tokens():
+    case = make_case(8, 256, 384, 3, 33, device="cuda", max_tokens=1000, seed=10)
+    assert rel_err(run_poisoned(case), case.ref) <= TOL
+
+
+@pytest.mark.parametrize("weight_format,act_format", [("fp8", "fp8"), ("mxfp4", "fp8"), ("mxfp4", "fp4"),
+                                                    ("nvfp4", "fp8"), ("nvfp4", "fp4")])
+def test_pre_dispatch_matches_cpu_bitwise(weight_format, act_format):
+    """The CUDA pre_dispatch kernel writes the same bytes as the CPU op (same divisions and rounding)."""
+    case = make_case(8, 512, 256, 3, 37, weight_format, act_format, device="cuda", seed=13, with_ref=False)
+    megamoe.pre_dispatch(case.x, case.topk_idx, case.topk_weights, case.buffer, weight_format=weight_format)
+    cpu = megamoe.get_symm_buffer(None, 8, 37, 3, 512, 256, act_format=act_format, device="cpu")
+    megamoe.pre_dispatch(case.x.cpu(), case.topk_idx.cpu(), case.topk_weights.cpu(), cpu, weight_format=weight_format)
+    end = case.buffer.layout["pool_src_offset"]  # everything pre_dispatch writes lies before the pool
+    assert torch.equal(case.buffer.buffer[:end].cpu(), cpu.buffer[:end])
+
+
+# ------------------------------------------------------------------------------------------------
+# Graphs and compile
+# ------------------------------------------------------------------------------------------------
+def test_cuda_graph_replay_with_new_inputs():
+    case = make_case(16, 256, 384, 4, 96, device="cuda", seed=11)
+    x, idx, w = case.x.clone(), case.topk_idx.clone(), case.topk_weights.clone()
+    y = torch.empty_like(x)
+
+    def step():
+        megamoe.pre_dispatch(x, idx, w, case.buffer)
+        megamoe.fp8_mega_moe(y, case.l1, case.l2, case.buffer)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):
+        new = make_case(16, 256, 384, 4, 96, device="cuda", seed=11, with_ref=False)
+        gen = torch.Generator().manual_seed(100 + seed)
+        x.copy_(torch.randn(96, 256, generator=gen).to("cuda", torch.bfloat16))
+        new_idx, new_w = reference.make_random_routing(96, 16, 4, masked_fraction=0.2, seed=200 + seed, device="cuda")
+        idx.copy_(new_idx)
+        w.copy_(new_w)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = case.reference(x=x, topk_idx=idx, topk_weights=w)
+        assert rel_err(y, ref) <= TOL
+        del new
+
+
+def test_torch_compile_fullgraph():
+    case = make_case(8, 256, 384, 3, 45, device="cuda", seed=12)
+
+    class Experts(torch.nn.Module):
+        def forward(self, x, idx, w):
+            return megamoe.moe(x, idx, w, case.l1, case.l2, case.buffer)
+
+    compiled = torch.compile(Experts(), fullgraph=True)
+    y = compiled(case.x, case.topk_idx, case.topk_weights)
+    assert torch.equal(y, Experts()(case.x, case.topk_idx, case.topk_weights))
+    assert rel_err(y, case.ref) <= TOL
+
+
+# ------------------------------------------------------------------------------------------------
+# Randomized sweep
+# ------------------------------------------------------------------------------------------------
+def _sweep_params(n, seed):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        e = rng.choice([1, 2, 3, 8, 16, 33, 64, 128])
+        k = rng.randint(1, min(8, e))
+        h = 128 * rng.randint(1, 12)
+        i = 128 * rng.randint(1, 12)
+        t = rng.choice([0, 1, 2, 5, 17, 64, 129, 300, 600])
+        masked = rng.choice([0.0, 0.1, 0.5])
+        skew = rng.random() < 0.3
+        out.append((e, k, h, i, t, masked, skew, rng.randrange(1 << 30)))
+    return out
+
+
+SWEEP_SEED = int(os.environ.get("MEGAMOE_SWEEP_SEED", random.SystemRandom().randrange(1 << 30)))
+
+
+@pytest.mark.parametrize("params", _sweep_params(200, SWEEP_SEED), ids=lambda p: "E{}K{}H{}I{}T{}m{}s{}-{}".format(*p))
+def test_random_sweep(params):
+    e, k, h, i, t, masked, skew, seed = params
+    case = make_case(e, h, i, k, t, device="cuda", masked_fraction=masked, seed=seed % 1000)
+    if skew and t:
+        # Slot 0 of every token goes to one of the first few experts: hot experts with many token blocks
+        # (a slot may then repeat another slot's expert; each slot still counts on its own).
+        hot = torch.randint(0, max(1, e // 4), (t,), device="cuda", dtype=case.topk_idx.dtype)
+        idx = case.topk_idx.clone()
+        idx[:, 0] = torch.where(idx[:, 0] >= 0, hot, idx[:, 0])
+        case.topk_idx = idx
+        case.ref = case.reference(topk_idx=idx)
+    y = run_poisoned(case)
+    if t:
+        err = rel_err(y, case.ref)
+        assert err <= TOL, f"sweep seed {SWEEP_SEED}: {params}: rel err {err}"
+
+
+# ------------------------------------------------------------------------------------------------
+# DeepSeek-V4 shapes (all experts), reference on a sample of tokens
+# ------------------------------------------------------------------------------------------------
+def _fp8_weights(num_experts, n, k, gen):
+    w = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device="cuda")
+    sf = torch.empty(num_experts, n // 128, k // 128, dtype=torch.float32, device="cuda")
+    for e in range(num_experts):
+        w[e], sf[e] = formats.quantize_fp8_block2d(torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k))
+    return w, sf
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_layer(request):
+    e, k, h, i = MODELS[request.param]
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    w13, sf13 = _fp8_weights(e, 2 * i, h, gen)
+    w2, sf2 = _fp8_weights(e, h, i, gen)
+    l1 = megamoe.transform_weights(w13, sf13, weight_format="fp8", is_l1=True)
+    l2 = megamoe.transform_weights(w2, sf2, weight_format="fp8", is_l1=False)
+    yield request.param, (e, k, h, i), (w13, sf13, w2, sf2), l1, l2
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16, 128, 512, 2048, 8192])
+def test_deepseek_v4_shapes(model_layer, num_tokens):
+    name, (e, k, h, i), (w13, sf13, w2, sf2), l1, l2 = model_layer
+    idx, w = reference.make_random_routing(num_tokens, e, k, masked_fraction=0.05, seed=num_tokens, device="cuda",
+                                           dtype=torch.int64)
+    x = torch.randn(num_tokens, h, device="cuda").bfloat16()
+    buf = megamoe.get_symm_buffer(None, e, num_tokens, k, h, i)
+    megamoe.pre_dispatch(x, idx, w, buf)
+    y = torch.full_like(x, float("nan"))
+    megamoe.fp8_mega_moe(y, l1, l2, buf)
+    assert torch.isfinite(y).all()
+    # The reference is per token: check a random sample of at most 256 tokens.
+    sample = torch.randperm(num_tokens, device="cuda")[:256]
+    ref = reference.mega_moe(x[sample], idx[sample], w[sample], w13, w2, weight_format="fp8", act_format="fp8",
+                             w13_sf=sf13, w2_sf=sf2)
+    assert rel_err(y[sample], ref) <= TOL, name
