@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, benchmark. Logs under $OUT (or ./device_out).
-#   benchmarks/device_check.sh [build|test|bench|all|quick] [pytest -k expression]
+#   benchmarks/device_check.sh [build|quick|test|sanitize|profile|bench|all] [pytest -k expression]
 set -uo pipefail
 what=${1:-all}
 kexpr=${2:-}
@@ -21,6 +21,17 @@ if [ "$what" = quick ] || [ "$what" = test ] || [ "$what" = all ]; then
   [ "$what" = quick ] && args+=(-m gpu)
   [ -n "$kexpr" ] && args+=(-k "$kexpr")
   python3 -m pytest tests "${args[@]}" 2>&1 | tee "$out/tests.log" | tail -40
+fi
+if [ "$what" = sanitize ] || [ "$what" = all ]; then
+  # Reduced GPU suite under compute-sanitizer (memcheck, racecheck on shared memory).
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_gpu_fp8.py -q -p no:cacheprovider \
+      -k "small_shapes and (128-128 or 256-384) or masked or one_expert or recv_stats" 2>&1 | tee "$out/sanitize-$tool.log" | tail -4
+    echo "compute-sanitizer $tool exit: ${PIPESTATUS[0]}"
+  done
+fi
+if [ "$what" = profile ]; then
+  (cd benchmarks && python3 profile_moe.py --model V4-Flash --tokens 1,128,8192) 2>&1 | tee "$out/profile.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 benchmarks/bench_moe.py --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.log"

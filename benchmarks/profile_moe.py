@@ -1,0 +1,44 @@
+"""Per-kernel time breakdown of one fused call (torch.profiler, CUDA activity), for perf work.
+
+    python benchmarks/profile_moe.py --model V4-Flash --tokens 1,8192
+"""
+import argparse
+
+import torch
+
+import megamoe
+import bench_moe as bm
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="V4-Flash")
+    ap.add_argument("--tokens", default="1,8192")
+    args = ap.parse_args()
+    cfg = bm.MODELS[args.model]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    l1, l2 = bm.make_layer(cfg, gen)
+    e, k, h, i = cfg["num_experts"], cfg["top_k"], cfg["hidden"], cfg["intermediate"]
+    for t in map(int, args.tokens.split(",")):
+        x = torch.randn(t, h, device="cuda").bfloat16()
+        idx, w = bm.make_routing(t, e, k, gen)
+        buf = megamoe.get_symm_buffer(None, e, t, k, h, i)
+        y = torch.empty_like(x)
+
+        def step():
+            megamoe.pre_dispatch(x, idx, w, buf)
+            megamoe.fp8_mega_moe(y, l1, l2, buf)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        print(f"== {args.model} T={t} (5 calls)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
