@@ -25,6 +25,11 @@ namespace megamoe::kernels {
 #define MEGAMOE_CONSUMER_SETMAXNREG ptx::setmaxnreg_inc<232>()
 #endif
 
+// NOTES: Hopper's FP8 MMA accumulates with limited precision (~14 bits after alignment, DeepSeek-V3
+// report), so partial sums move into float32 registers (promotion) every kPromoteK of K: once per
+// 128-wide scale block, as DeepGEMM does.
+constexpr int kPromoteK = 128;
+
 constexpr int kBlockN = 256;           // weight rows per tile
 constexpr int kBlockK = 128;           // K per stage (one scale block, one 128-byte swizzle row)
 constexpr int kNumThreads = 384;
@@ -175,34 +180,37 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         col_sf[2 * j + 1] = t.row0 + col + 1 < l.pool_rows ? __ldg(sf + col + 1) : 0.0f;
       }
       ptx::mbarrier_wait(&full[stage], phase);
-      float part0[kRegs], part1[kRegs];
       const uint8_t* a = tile_a + stage * Smem::kTileA + consumer * 128 * kBlockK;
       const uint8_t* b = tile_b + stage * Smem::kTileB;
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kBlockK / 32; ++ks) {
-        const uint64_t desc_b = ptx::make_smem_desc_sw128(b + ks * 32);
-        Mma::run(part0, ptx::make_smem_desc_sw128(a + ks * 32), desc_b, ks > 0);
-        Mma::run(part1, ptx::make_smem_desc_sw128(a + 64 * kBlockK + ks * 32), desc_b, ks > 0);
-      }
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
-
-      __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
-      if (++stage == kNumStages) stage = 0, phase ^= 1;
-
       // Fragment layout of m64nN: register 4j + {0,1} -> (row r, cols 8j + 2(lane%4) + {0,1}),
       // 4j + {2,3} -> (row r + 8, same cols).
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) {
-        const float s = col_sf[(i / 4) * 2 + (i % 2)];
-        acc0[i] += part0[i] * (ws0 * s);
-        acc1[i] += part1[i] * (ws1 * s);
+      for (int kk = 0; kk < kBlockK; kk += kPromoteK) {
+        float part0[kRegs], part1[kRegs];
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int ks = kk / 32; ks < (kk + kPromoteK) / 32; ++ks) {
+          const uint64_t desc_b = ptx::make_smem_desc_sw128(b + ks * 32);
+          Mma::run(part0, ptx::make_smem_desc_sw128(a + ks * 32), desc_b, ks > kk / 32);
+          Mma::run(part1, ptx::make_smem_desc_sw128(a + 64 * kBlockK + ks * 32), desc_b, ks > kk / 32);
+        }
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
+        if (kk + kPromoteK == kBlockK) {
+          __syncwarp();
+          if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
+          if (++stage == kNumStages) stage = 0, phase ^= 1;
+        }
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) {
+          const float s = col_sf[(i / 4) * 2 + (i % 2)];
+          acc0[i] += part0[i] * (ws0 * s);
+          acc1[i] += part1[i] * (ws1 * s);
+        }
       }
     }
 
