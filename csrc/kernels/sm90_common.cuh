@@ -9,8 +9,10 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "megamoe/layout/buffer.hpp"
+#include "megamoe/ptx/sm90.cuh"
 
 #define MEGAMOE_CUDA_CHECK(expr)                                                                   \
   do {                                                                                             \
@@ -21,6 +23,25 @@
   } while (0)
 
 namespace megamoe::kernels {
+
+// Launches with programmatic stream serialization: the kernel may start while its predecessor in the
+// stream finishes, so every kernel launched this way calls ptx::grid_dependency_wait() before it reads
+// anything a predecessor wrote. Captured into CUDA graphs as programmatic edges.
+template <typename... KernelArgs, typename... Args>
+void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
 
 constexpr float kFP8Max = 448.0f;
 constexpr float kE2M1Max = 6.0f;

@@ -23,8 +23,7 @@ void launch_config(const GroupedGemmArgs& a, const GemmParams& p, int num_sms, c
   std::call_once(once, [&] {
     MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kBytes));
   });
-  kernel<<<num_sms, kNumThreads, Smem::kBytes, stream>>>(a.tmap_weights, a.tmap_acts, p);
-  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  launch_pdl(kernel, dim3(num_sms), dim3(kNumThreads), Smem::kBytes, stream, a.tmap_weights, a.tmap_acts, p);
 }
 
 }  // namespace

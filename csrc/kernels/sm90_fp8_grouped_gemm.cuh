@@ -20,11 +20,6 @@
 
 namespace megamoe::kernels {
 
-#ifndef MEGAMOE_PRODUCER_SETMAXNREG
-#define MEGAMOE_PRODUCER_SETMAXNREG ptx::setmaxnreg_dec<40>()
-#define MEGAMOE_CONSUMER_SETMAXNREG ptx::setmaxnreg_inc<232>()
-#endif
-
 // NOTES: Hopper's FP8 MMA accumulates with limited precision (~14 bits after alignment, DeepSeek-V3
 // report), so partial sums move into float32 registers (promotion) every kPromoteK of K: once per
 // 128-wide scale block, as DeepGEMM does.
@@ -59,7 +54,7 @@ __device__ __forceinline__ int find_expert(const int* tile_offset, int num_exper
   int lo = 0, hi = num_experts - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (tile_offset[mid] * num_nblocks <= tile) lo = mid;
+    if (__ldcg(tile_offset + mid) * num_nblocks <= tile) lo = mid;
     else hi = mid - 1;
   }
   return lo;
@@ -73,13 +68,14 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_offset
                                                 int num_experts, int num_nblocks, int block_m) {
   TileInfo t;
   t.expert = find_expert(tile_offset, num_experts, num_nblocks, tile);
-  const int m_blocks = tile_offset[t.expert + 1] - tile_offset[t.expert];
-  const int local = tile - tile_offset[t.expert] * num_nblocks;
+  const int first_block = __ldcg(tile_offset + t.expert);
+  const int m_blocks = __ldcg(tile_offset + t.expert + 1) - first_block;
+  const int local = tile - first_block * num_nblocks;
   // Token blocks innermost: CTAs running side by side share a weight tile, which L2 then serves.
   t.n_block = local / m_blocks;
   t.m_block = local % m_blocks;
-  t.row0 = expert_offset[t.expert] + t.m_block * block_m;
-  t.rows = min(block_m, expert_offset[t.expert + 1] - t.row0);
+  t.row0 = __ldcg(expert_offset + t.expert) + t.m_block * block_m;
+  t.rows = min(block_m, __ldcg(expert_offset + t.expert + 1) - t.row0);
   return t;
 }
 
@@ -110,7 +106,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int* expert_offset = reinterpret_cast<const int*>(p.buffer + l.expert_offset_offset);
   const int num_nblocks = (p.n + kBlockN - 1) / kBlockN;
   const int num_kblocks = p.k / kBlockK;
-  const int num_tiles = tile_offset[num_experts] * num_nblocks;
+  // NOTES: routing metadata (tile_offset, expert_offset) is final before this grid launches: the
+  // predecessor allows the launch only after its own dependency wait, which follows the routing kernel.
+  // Reads bypass L1 (__ldcg) so no line cached by an earlier kernel on this SM can be stale.
+  const int num_tiles = __ldcg(tile_offset + num_experts) * num_nblocks;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
@@ -123,29 +122,51 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (warpgroup == 0) {
     // ======================================================================== producer
-    MEGAMOE_PRODUCER_SETMAXNREG;
+    ptx::setmaxnreg_dec<40>();
     if (threadIdx.x == 0) {
       ptx::prefetch_tensormap(&tmap_weights);
       ptx::prefetch_tensormap(&tmap_acts);
+      // NOTES: weights depend on no earlier kernel, so the first kNumStages weight tiles load before the
+      // dependency wait (overlapping the predecessor's tail); their token tiles load after it.
+      int pending_row[kNumStages], pending_kb[kNumStages];
+      int issued = 0;
+      bool waited = false;
+      auto finish_wait = [&] {
+        ptx::grid_dependency_wait();
+        ptx::launch_dependents();
+        for (int s = 0; s < issued && s < kNumStages; ++s)
+          ptx::tma_load_2d(tile_b + s * Smem::kTileB, &tmap_acts, &full[s], pending_kb[s] * kBlockK, pending_row[s]);
+        waited = true;
+      };
       int stage = 0;
       uint32_t phase = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
         const int weight_row = t.expert * p.n + t.n_block * kBlockN;
         for (int kb = 0; kb < num_kblocks; ++kb) {
+          if (!waited && issued == kNumStages) finish_wait();
           ptx::mbarrier_wait(&empty[stage], phase ^ 1);
           ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + Smem::kTileB);
           ptx::tma_load_2d(tile_a + stage * Smem::kTileA, &tmap_weights, &full[stage], kb * kBlockK, weight_row);
-          ptx::tma_load_2d(tile_b + stage * Smem::kTileB, &tmap_acts, &full[stage], kb * kBlockK, t.row0);
+          if (waited) {
+            ptx::tma_load_2d(tile_b + stage * Smem::kTileB, &tmap_acts, &full[stage], kb * kBlockK, t.row0);
+          } else {
+            pending_row[issued] = t.row0;
+            pending_kb[issued] = kb;
+          }
+          ++issued;
           if (++stage == kNumStages) stage = 0, phase ^= 1;
         }
       }
+      if (!waited) finish_wait();
     }
     return;
   }
 
   // ========================================================================== consumers
-  MEGAMOE_CONSUMER_SETMAXNREG;
+  ptx::setmaxnreg_inc<232>();
+  ptx::grid_dependency_wait();  // token tiles, scales and routing rows come from earlier kernels
+  ptx::launch_dependents();
   const int consumer = warpgroup - 1;                 // owns weight rows [128 c, 128 c + 128) of the tile
   const int warp = (threadIdx.x / 32) % 4;            // warp within the warpgroup
   const int ctid = threadIdx.x - 128;                 // 0..255 over both consumers

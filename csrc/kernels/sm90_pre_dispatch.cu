@@ -6,19 +6,23 @@
 #include "kernels/launch.hpp"
 #include "kernels/sm90_common.cuh"
 
+#include <algorithm>
+
 namespace megamoe::kernels {
 
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kMaxThreads = 1024;
 constexpr int kVec = 8;  // bf16 elements per thread per step (one 16-byte load)
 
 template <ActRecipe kRecipe, typename IdxT>
-__global__ void __launch_bounds__(kThreads) pre_dispatch_kernel(const __nv_bfloat16* __restrict__ x,
+__global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bfloat16* __restrict__ x,
                                                                 const IdxT* __restrict__ topk_idx,
                                                                 const float* __restrict__ topk_weights,
                                                                 uint8_t* __restrict__ buffer,
                                                                 layout::BufferLayout l, int num_tokens) {
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   const int token = blockIdx.x;
   if (token == 0 && threadIdx.x == 0) *reinterpret_cast<int*>(buffer + l.num_tokens_offset) = num_tokens;
   if (token >= num_tokens) return;
@@ -49,9 +53,9 @@ __global__ void __launch_bounds__(kThreads) pre_dispatch_kernel(const __nv_bfloa
   if constexpr (kRecipe == ActRecipe::kNVFP4) {
     // NOTES: NVFP4 activations carry a per-token float32 scale g = amax_token / (6 * 448), so one
     // extra pass over the (cached) row finds the token's amax first.
-    __shared__ float warp_amax[kThreads / 32];
+    __shared__ float warp_amax[kMaxThreads / 32];
     float amax = 0.0f;
-    for (int g = threadIdx.x; g < num_groups; g += kThreads) {
+    for (int g = threadIdx.x; g < num_groups; g += blockDim.x) {
       float v[kVec];
       load_bf16x8(row + g * kVec, v);
       for (int i = 0; i < kVec; ++i) amax = fmaxf(amax, fabsf(v[i]));
@@ -60,13 +64,13 @@ __global__ void __launch_bounds__(kThreads) pre_dispatch_kernel(const __nv_bfloa
     if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
     __syncthreads();
     amax = 0.0f;
-    for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) amax = fmaxf(amax, warp_amax[w]);
     global_scale = fmaxf(amax, kAmaxEps) / (kE2M1Max * kFP8Max);
     if (threadIdx.x == 0) reinterpret_cast<float*>(buffer + l.x_global_sf_offset)[token] = global_scale;
   }
 
   // Every thread runs every step (inactive ones with zeros) so the block-amax shuffles stay converged.
-  for (int base = 0; base < num_groups; base += kThreads) {
+  for (int base = 0; base < num_groups; base += blockDim.x) {
     const int g = base + threadIdx.x;
     const bool active = g < num_groups;
     float v[kVec];
@@ -105,14 +109,18 @@ __global__ void __launch_bounds__(kThreads) pre_dispatch_kernel(const __nv_bfloa
 template <ActRecipe kRecipe>
 void launch_recipe(const void* x, const void* topk_idx, bool is_int64, const float* topk_weights, uint8_t* buffer,
                    const layout::BufferLayout& l, int num_tokens, cudaStream_t stream) {
+  // NOTES: one block per token and one 16-byte group per thread: a decode step is a few tokens, so
+  // the whole row is loaded in one round trip instead of a loop of dependent ones.
   const dim3 grid(num_tokens > 0 ? num_tokens : 1);
+  const int groups = static_cast<int>(l.hidden / kVec);
+  const dim3 block((std::min(groups, kMaxThreads) + 31) / 32 * 32);
   auto* xb = static_cast<const __nv_bfloat16*>(x);
   if (is_int64)
-    pre_dispatch_kernel<kRecipe, int64_t><<<grid, kThreads, 0, stream>>>(
-        xb, static_cast<const int64_t*>(topk_idx), topk_weights, buffer, l, num_tokens);
+    launch_pdl(pre_dispatch_kernel<kRecipe, int64_t>, grid, block, 0, stream, xb,
+               static_cast<const int64_t*>(topk_idx), topk_weights, buffer, l, num_tokens);
   else
-    pre_dispatch_kernel<kRecipe, int32_t><<<grid, kThreads, 0, stream>>>(
-        xb, static_cast<const int32_t*>(topk_idx), topk_weights, buffer, l, num_tokens);
+    launch_pdl(pre_dispatch_kernel<kRecipe, int32_t>, grid, block, 0, stream, xb,
+               static_cast<const int32_t*>(topk_idx), topk_weights, buffer, l, num_tokens);
 }
 
 }  // namespace

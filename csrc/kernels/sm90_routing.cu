@@ -30,6 +30,8 @@ __device__ __forceinline__ int local_expert(int id, const layout::BufferLayout& 
 // by exactly one tile with a fixed summation order, so results are deterministic.
 __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffer, layout::BufferLayout l, int rank,
                                                                   int num_tokens, int block_m, int* recv_stats) {
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   extern __shared__ int smem[];
   const int num_experts = static_cast<int>(l.num_local_experts);
   int* count = smem;
@@ -84,6 +86,8 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
 
 // One warp per pool row: the token's packed row (16 bytes a lane) and its scales, K-block-major.
 __global__ void gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elem_bytes) {
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   const int num_rows = reinterpret_cast<const int*>(buffer + l.expert_offset_offset)[l.num_local_experts];
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * blockDim.x / 32;
@@ -106,19 +110,25 @@ __global__ void gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_el
   }
 }
 
-// One block per token; 8 channels a thread; slots summed in slot order in float32.
-__global__ void combine_kernel(__nv_bfloat16* y, const uint8_t* buffer, layout::BufferLayout l, int rank) {
+// Block (token, 1024-channel chunk); 8 channels a thread; slots summed in slot order in float32.
+constexpr int kCombineThreads = 128;
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16* y, const uint8_t* buffer,
+                                                                  layout::BufferLayout l, int rank) {
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   const int token = blockIdx.x;
   const int top_k = static_cast<int>(l.top_k), hidden = static_cast<int>(l.hidden);
   const int* ids = reinterpret_cast<const int*>(buffer + l.topk_idx_offset) + token * top_k;
   const __nv_bfloat16* rows =
       reinterpret_cast<const __nv_bfloat16*>(buffer + l.combine_offset) + int64_t(token) * top_k * hidden;
   const int first = rank * static_cast<int>(l.num_local_experts);
-  for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
+  const int c = (blockIdx.y * kCombineThreads + threadIdx.x) * 8;
+  if (c < hidden) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll 4
     for (int k = 0; k < top_k; ++k) {
       const int id = ids[k];
-      if (id < first || id >= first + l.num_local_experts) continue;
+      if (id < first || id >= first + l.num_local_experts) continue;  // unused, invalid or remote
       float v[8];
       load_bf16x8(rows + int64_t(k) * hidden + c, v);
 #pragma unroll
@@ -137,20 +147,23 @@ __global__ void combine_kernel(__nv_bfloat16* y, const uint8_t* buffer, layout::
 void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens, int block_m,
                     int* recv_stats, cudaStream_t stream) {
   const size_t smem = size_t(layout.num_local_experts) * 2 * sizeof(int);
-  routing_kernel<<<1, kRoutingThreads, smem, stream>>>(buffer, layout, rank, num_tokens, block_m, recv_stats);
+  launch_pdl(routing_kernel, dim3(1), dim3(kRoutingThreads), smem, stream, buffer, layout, rank, num_tokens, block_m,
+             recv_stats);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, int sf_elem_bytes, int num_sms,
                    cudaStream_t stream) {
-  gather_kernel<<<num_sms * 4, 256, 0, stream>>>(buffer, layout, sf_elem_bytes);
+  launch_pdl(gather_kernel, dim3(num_sms * 4), dim3(256), 0, stream, buffer, layout, sf_elem_bytes);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_combine(void* y, const uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens,
                     cudaStream_t stream) {
   if (num_tokens == 0) return;
-  combine_kernel<<<num_tokens, 128, 0, stream>>>(static_cast<__nv_bfloat16*>(y), buffer, layout, rank);
+  const dim3 grid(num_tokens, static_cast<unsigned>((layout.hidden / 8 + kCombineThreads - 1) / kCombineThreads));
+  launch_pdl(combine_kernel, grid, dim3(kCombineThreads), 0, stream, static_cast<__nv_bfloat16*>(y), buffer, layout,
+             rank);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
