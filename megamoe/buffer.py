@@ -122,10 +122,7 @@ def get_symm_buffer(group, num_experts: int, max_tokens_per_rank: int, top_k: in
     layout = buffer_layout(num_experts, num_ranks, max_tokens_per_rank, top_k, hidden, intermediate, act_format)
     handle = None
     if num_ranks == 1:
-        # The CPU allocator aligns to 64 bytes only; over-allocate and start on the 128-byte boundary the
-        # ops check for.
-        buf = torch.zeros(layout["total_bytes"] + 128, dtype=torch.uint8, device=device)
-        buf = buf.narrow(0, -buf.data_ptr() % 128, layout["total_bytes"])
+        buf = torch.zeros(layout["total_bytes"], dtype=torch.uint8, device=device)
     else:
         if device.type != "cuda":
             raise ValueError(f"device: expert parallelism needs CUDA symmetric memory, got {device}")

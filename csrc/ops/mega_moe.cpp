@@ -147,7 +147,10 @@ void mega_moe_cpu(at::Tensor& y, const at::Tensor& l1_weights, const at::Tensor&
       gate = gate.clamp_max(c);
       up = up.clamp(-c, c);
     }
-    auto act = gate / (1 + at::exp(-gate)) * up * weights.index({tok, slot}).unsqueeze(1);
+    // exp in float64, rounded once: float32 exp implementations differ by an ulp between CPUs, and the
+    // reference (megamoe.reference) does the same, so the CPU op stays bitwise equal to it.
+    auto silu = gate / (1 + at::exp(-gate.to(at::kDouble)).to(at::kFloat));
+    auto act = silu * up * weights.index({tok, slot}).unsqueeze(1);
     auto q = cpu::quantize_rows(act, args.recipe);
     auto act_q = cpu::dequantize_rows(q.data, q.sf, q.global_sf, args.recipe, inter);
     auto out = at::matmul(act_q, w2.t()).to(at::kBFloat16).to(at::kFloat);
