@@ -11,7 +11,7 @@
 namespace megamoe::heuristics {
 
 struct GroupedGemmConfig {
-  int block_m;     // tokens per tile (the wgmma N dimension): 16, 32, 64 or 96
+  int block_m;     // tokens per tile (the wgmma N dimension): 16, 32 or 64
   int num_stages;  // TMA pipeline depth
 };
 
@@ -19,7 +19,7 @@ struct GroupedGemmConfig {
 constexpr int stage_bytes(int block_m) { return 256 * 128 + block_m * 128; }
 
 // Deepest TMA pipeline that fits beside the largest epilogue (L2: block_m x 256 bf16) in the 227 KB a
-// block may use (minus alignment slack and barriers): 6, 5, 4 and 4 stages for block_m 16, 32, 64, 96.
+// block may use (minus alignment slack and barriers): 6, 5 and 4 stages for block_m 16, 32 and 64.
 constexpr int num_stages_for(int block_m) {
   return (227 * 1024 - 2048 - block_m * 256 * 2) / stage_bytes(block_m);
 }
@@ -28,15 +28,11 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
                                              int64_t intermediate) {
   // Expected rows per touched expert. NOTES: decode is weight-bound: a block_m larger than the rows an
   // expert gets only wastes MMA work, never bytes; prefill wants the widest tile (fewest weight
-  // re-reads, best MMA efficiency).
+  // re-reads, best MMA efficiency), capped at 64 by the registers of two partial accumulators.
   const int64_t slots = num_tokens * top_k;
   const int64_t rows = slots <= num_experts ? 1 : (slots + num_experts - 1) / num_experts;
   GroupedGemmConfig c;
-  // NOTES: 96-token tiles cut the weight and token bytes each MMA pulls through L2 and shared memory by a
-  // quarter (at 64 the kernel is bound by that traffic, ~30 % of the FP8 rate). 96 is the widest tile
-  // whose accumulators fit the 168 registers a consumer thread gets; it pays off once an expert has
-  // enough rows to fill most of its last tile.
-  c.block_m = rows <= 16 ? 16 : rows <= 32 ? 32 : rows < 80 ? 64 : 96;
+  c.block_m = rows <= 16 ? 16 : rows <= 32 ? 32 : 64;
   c.num_stages = num_stages_for(c.block_m);
   if (std::getenv("MEGAMOE_PRINT_CONFIGS") != nullptr) {
     static std::mutex mu;

@@ -48,7 +48,6 @@ void launch_fp8_grouped_gemm(const GroupedGemmArgs& args, uint8_t* buffer, const
     MEGAMOE_LAUNCH_BLOCK_M(16)
     MEGAMOE_LAUNCH_BLOCK_M(32)
     MEGAMOE_LAUNCH_BLOCK_M(64)
-    MEGAMOE_LAUNCH_BLOCK_M(96)
   }
 #undef MEGAMOE_LAUNCH_BLOCK_M
   throw std::runtime_error("megamoe: grouped GEMM has no instantiation for block_m = " + std::to_string(block_m));

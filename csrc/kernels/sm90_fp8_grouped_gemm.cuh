@@ -8,8 +8,6 @@
 //
 // Per 128-K block: 4 wgmma k32 steps into a fresh partial accumulator, then promotion
 // acc += partial * weight_scale(64-row chunk, k block) * token_scale(token, k block) in float32.
-// NOTES: promotion per 128 K (once per scale block, as DeepGEMM does) also bounds the error of Hopper's
-// reduced-precision FP8 accumulation (~14 bits after alignment, DeepSeek-V3 report).
 #pragma once
 
 #include <cuda.h>
@@ -21,6 +19,11 @@
 #include "megamoe/ptx/sm90.cuh"
 
 namespace megamoe::kernels {
+
+// NOTES: Hopper's FP8 MMA accumulates with limited precision (~14 bits after alignment, DeepSeek-V3
+// report), so partial sums move into float32 registers (promotion) every kPromoteK of K: once per
+// 128-wide scale block, as DeepGEMM does.
+constexpr int kPromoteK = 128;
 
 constexpr int kBlockN = 256;           // weight rows per tile
 constexpr int kBlockK = 128;           // K per stage (one scale block, one 128-byte swizzle row)
@@ -84,8 +87,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   using Smem = GemmSmem<kBlockM, kNumStages, kIsL1>;
   using Mma = ptx::WgmmaFP8<kBlockM>;
   constexpr int kRegs = Mma::kNumRegs;
-  static_assert(kBlockM % 8 == 0 && kBlockM <= 96, "token block must be a multiple of 8, at most 96");
-  constexpr bool kSequentialSlices = kBlockM > 64;
+  static_assert(kBlockM % 8 == 0 && kBlockM <= 64, "token block must be a multiple of 8, at most 64");
 
   extern __shared__ uint8_t smem_raw[];
   // 128B-swizzled TMA tiles need 1024-byte alignment.
@@ -171,20 +173,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int quad_row = warp * 16 + lane / 4;          // this thread's first row in a 64-row slice
   int stage = 0;
   uint32_t phase = 0;
-  // Keeps the compiler from moving accumulator accesses across the asynchronous wgmma.
-  auto fence_regs = [](float* r) {
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(r[i]);
-  };
-  // One 64-row slice x all tokens over one 128-K block: 4 wgmma k32 steps into a fresh accumulator.
-  auto mma_block = [&](float* part, const uint8_t* a_slice, const uint8_t* b_tile) {
-    fence_regs(part);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kBlockK / 32; ++ks)
-      Mma::run(part, ptx::make_smem_desc_sw128(a_slice + ks * 32), ptx::make_smem_desc_sw128(b_tile + ks * 32),
-               ks > 0);
-  };
 
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
@@ -203,64 +191,47 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     for (int kb = 0; kb < num_kblocks; ++kb) {
       // Scales are loaded before waiting on the stage so their latency hides behind the TMA wait.
       const float ws0 = valid0 ? __ldg(wsf + kb) : 0.0f, ws1 = valid1 ? __ldg(wsf + num_kblocks + kb) : 0.0f;
-      // Token scales of this thread's columns (rows past the pool end read as 0; never stored). NOTES:
-      // above 64 tokens they would not fit in registers beside the accumulators: read them at promotion
-      // (L1 hits: one row of block_m floats per K block for the whole warpgroup).
+      // Token scales of this thread's columns (rows past the pool end read as 0; never stored).
       const float* sf = p.acts_sf + int64_t(kb) * l.pool_rows + t.row0;
-      const int rows_left = static_cast<int>(l.pool_rows) - t.row0;
-      constexpr int kColRegs = kSequentialSlices ? 1 : kBlockM / 4;
-      float col_sf[kColRegs];
-      auto col_scale = [&](int j) {  // j-th of this thread's columns: 8 (j / 2) + 2 (lane % 4) + j % 2
-        const int col = 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
-        return col < rows_left ? __ldg(sf + col) : 0.0f;
-      };
-      if constexpr (!kSequentialSlices) {
+      float col_sf[kBlockM / 4];
 #pragma unroll
-        for (int j = 0; j < kColRegs; ++j) col_sf[j] = col_scale(j);
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const int col = 8 * j + 2 * (lane % 4);
+        col_sf[2 * j] = t.row0 + col < l.pool_rows ? __ldg(sf + col) : 0.0f;
+        col_sf[2 * j + 1] = t.row0 + col + 1 < l.pool_rows ? __ldg(sf + col + 1) : 0.0f;
       }
       ptx::mbarrier_wait(&full[stage], phase);
-      const uint8_t* a = tile_a + stage * Smem::kTileA + consumer * 128 * kBlockK;  // gate (L1) slice
+      const uint8_t* a = tile_a + stage * Smem::kTileA + consumer * 128 * kBlockK;
       const uint8_t* b = tile_b + stage * Smem::kTileB;
-      auto release_stage = [&] {
-        __syncwarp();
-        if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
-        if (++stage == kNumStages) stage = 0, phase ^= 1;
-      };
       // Fragment layout of m64nN: register 4j + {0,1} -> (row r, cols 8j + 2(lane%4) + {0,1}),
       // 4j + {2,3} -> (row r + 8, same cols).
-      auto promote = [&](float* acc, const float* part, float ws) {
+#pragma unroll
+      for (int kk = 0; kk < kBlockK; kk += kPromoteK) {
+        float part0[kRegs], part1[kRegs];
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int ks = kk / 32; ks < (kk + kPromoteK) / 32; ++ks) {
+          const uint64_t desc_b = ptx::make_smem_desc_sw128(b + ks * 32);
+          Mma::run(part0, ptx::make_smem_desc_sw128(a + ks * 32), desc_b, ks > kk / 32);
+          Mma::run(part1, ptx::make_smem_desc_sw128(a + 64 * kBlockK + ks * 32), desc_b, ks > kk / 32);
+        }
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
+        if (kk + kPromoteK == kBlockK) {
+          __syncwarp();
+          if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
+          if (++stage == kNumStages) stage = 0, phase ^= 1;
+        }
 #pragma unroll
         for (int i = 0; i < kRegs; ++i) {
-          const int j = (i / 4) * 2 + (i % 2);
-          acc[i] += part[i] * (ws * (kSequentialSlices ? col_scale(j) : col_sf[j]));
+          const float s = col_sf[(i / 4) * 2 + (i % 2)];
+          acc0[i] += part0[i] * (ws0 * s);
+          acc1[i] += part1[i] * (ws1 * s);
         }
-      };
-      if constexpr (!kSequentialSlices) {
-        float part0[kRegs], part1[kRegs];
-        mma_block(part0, a, b);
-        mma_block(part1, a + 64 * kBlockK, b);
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-        fence_regs(part0), fence_regs(part1);
-        release_stage();
-        promote(acc0, part0, ws0);
-        promote(acc1, part1, ws1);
-      } else {
-        // NOTES: above 64 tokens a second partial accumulator would not fit beside the two results in
-        // the 168 registers ptxas allots (384 threads, 1 block/SM), so the two slices take turns on one (the other consumer warpgroup keeps the tensor cores busy
-        // while this one promotes).
-        float part[kRegs];
-        mma_block(part, a, b);
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-        fence_regs(part);
-        promote(acc0, part, ws0);
-        mma_block(part, a + 64 * kBlockK, b);
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-        fence_regs(part);
-        release_stage();
-        promote(acc1, part, ws1);
       }
     }
 
