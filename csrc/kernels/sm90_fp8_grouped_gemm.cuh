@@ -8,6 +8,8 @@
 //
 // Per 128-K block: 4 wgmma k32 steps into a fresh partial accumulator, then promotion
 // acc += partial * weight_scale(64-row chunk, k block) * token_scale(token, k block) in float32.
+// NOTES: promoting once per scale block (as DeepGEMM does) also bounds the error of Hopper's
+// reduced-precision FP8 accumulation (~14 bits after alignment, DeepSeek-V3 report).
 #pragma once
 
 #include <cuda.h>
@@ -19,11 +21,6 @@
 #include "megamoe/ptx/sm90.cuh"
 
 namespace megamoe::kernels {
-
-// NOTES: Hopper's FP8 MMA accumulates with limited precision (~14 bits after alignment, DeepSeek-V3
-// report), so partial sums move into float32 registers (promotion) every kPromoteK of K: once per
-// 128-wide scale block, as DeepGEMM does.
-constexpr int kPromoteK = 128;
 
 constexpr int kBlockN = 256;           // weight rows per tile
 constexpr int kBlockK = 128;           // K per stage (one scale block, one 128-byte swizzle row)
@@ -203,35 +200,31 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ptx::mbarrier_wait(&full[stage], phase);
       const uint8_t* a = tile_a + stage * Smem::kTileA + consumer * 128 * kBlockK;
       const uint8_t* b = tile_b + stage * Smem::kTileB;
-      // Fragment layout of m64nN: register 4j + {0,1} -> (row r, cols 8j + 2(lane%4) + {0,1}),
+      float part0[kRegs], part1[kRegs];
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kBlockK / 32; ++ks) {
+        const uint64_t desc_b = ptx::make_smem_desc_sw128(b + ks * 32);
+        Mma::run(part0, ptx::make_smem_desc_sw128(a + ks * 32), desc_b, ks > 0);
+        Mma::run(part1, ptx::make_smem_desc_sw128(a + 64 * kBlockK + ks * 32), desc_b, ks > 0);
+      }
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
+      if (++stage == kNumStages) stage = 0, phase ^= 1;
+
+      // Promotion. Fragment layout of m64nN: register 4j + {0,1} -> (row r, cols 8j + 2(lane%4) + {0,1}),
       // 4j + {2,3} -> (row r + 8, same cols).
 #pragma unroll
-      for (int kk = 0; kk < kBlockK; kk += kPromoteK) {
-        float part0[kRegs], part1[kRegs];
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int ks = kk / 32; ks < (kk + kPromoteK) / 32; ++ks) {
-          const uint64_t desc_b = ptx::make_smem_desc_sw128(b + ks * 32);
-          Mma::run(part0, ptx::make_smem_desc_sw128(a + ks * 32), desc_b, ks > kk / 32);
-          Mma::run(part1, ptx::make_smem_desc_sw128(a + 64 * kBlockK + ks * 32), desc_b, ks > kk / 32);
-        }
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
-        if (kk + kPromoteK == kBlockK) {
-          __syncwarp();
-          if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
-          if (++stage == kNumStages) stage = 0, phase ^= 1;
-        }
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) {
-          const float s = col_sf[(i / 4) * 2 + (i % 2)];
-          acc0[i] += part0[i] * (ws0 * s);
-          acc1[i] += part1[i] * (ws1 * s);
-        }
+      for (int i = 0; i < kRegs; ++i) {
+        const float s = col_sf[(i / 4) * 2 + (i % 2)];
+        acc0[i] += part0[i] * (ws0 * s);
+        acc1[i] += part1[i] * (ws1 * s);
       }
     }
 
