@@ -77,5 +77,7 @@ setup(
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension},
     install_requires=["torch>=2.11"],
+    # safetensors: only for megamoe.load_experts_from_safetensors and the checkpoint tool.
+    extras_require={"checkpoint": ["safetensors"], "test": ["pytest", "safetensors"]},
     python_requires=">=3.10",
 )

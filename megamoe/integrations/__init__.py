@@ -1,0 +1,1 @@
+"""Adapters to serving frameworks (imported on demand; none of them is a dependency)."""

@@ -1,0 +1,1 @@
+"""Command-line tools: python -m megamoe.tools.<name>."""
