@@ -8,26 +8,19 @@ ops, every weight format. Prints the error vs the emulating reference and the ti
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 
 import torch
 
 import megamoe
-from megamoe import formats, reference
+from megamoe import reference
 
 
 def _fp8_layer(num_experts, hidden, intermediate, device, gen):
-    """Checkpoint-layout FP8 block weights, built expert by expert (a full float32 master would not fit)."""
-    def weights(n, k):
-        w = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device=device)
-        sf = torch.empty(num_experts, n // 128, k // 128, dtype=torch.float32, device=device)
-        for e in range(num_experts):
-            w[e], sf[e] = formats.quantize_fp8_block2d(torch.randn(n, k, device=device, generator=gen) / math.sqrt(k))
-        return w, sf
-    w13, w13_sf = weights(2 * intermediate, hidden)
-    w2, w2_sf = weights(hidden, intermediate)
+    """Checkpoint-layout FP8 block weights in the dict form of reference.make_random_layer."""
+    w13, w13_sf = reference.make_fp8_block_weights(num_experts, 2 * intermediate, hidden, generator=gen, device=device)
+    w2, w2_sf = reference.make_fp8_block_weights(num_experts, hidden, intermediate, generator=gen, device=device)
     return dict(w13=w13, w13_sf=w13_sf, w13_global_sf=None, w2=w2, w2_sf=w2_sf, w2_global_sf=None)
 
 

@@ -251,6 +251,19 @@ def _generator(seed: Optional[int], generator: Optional[torch.Generator]) -> tor
     return torch.Generator("cpu").manual_seed(0 if seed is None else seed)
 
 
+def make_fp8_block_weights(num_experts: int, n: int, k: int, *, generator: Optional[torch.Generator] = None,
+                           device="cpu") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Random checkpoint-layout FP8 block weights built expert by expert (no full float32 master, so
+    DeepSeek-V4-sized layers fit): float8_e4m3fn [E, n, k] and float32 [E, n/128, k/128]; masters are
+    N(0, 1/k). ``generator`` must live on ``device``."""
+    w = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device=device)
+    sf = torch.empty(num_experts, n // 128, k // 128, dtype=torch.float32, device=device)
+    for e in range(num_experts):
+        master = torch.randn(n, k, device=device, generator=generator) / math.sqrt(k)
+        w[e], sf[e] = formats.quantize_fp8_block2d(master)
+    return w, sf
+
+
 def make_random_layer(num_experts: int, hidden: int, intermediate: int, weight_format: str, *,
                       seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
                       device: Union[str, torch.device] = "cpu", scale: float = 1.0) -> dict:

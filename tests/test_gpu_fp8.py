@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import megamoe
-from megamoe import formats, reference
+from megamoe import reference
 from conftest import CUDA_MARKS, make_case, rel_err
 
 pytestmark = list(CUDA_MARKS)
@@ -237,20 +237,12 @@ def test_random_sweep_pooled_error():
 # ------------------------------------------------------------------------------------------------
 # DeepSeek-V4 shapes (all experts), reference on a sample of tokens
 # ------------------------------------------------------------------------------------------------
-def _fp8_weights(num_experts, n, k, gen):
-    w = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device="cuda")
-    sf = torch.empty(num_experts, n // 128, k // 128, dtype=torch.float32, device="cuda")
-    for e in range(num_experts):
-        w[e], sf[e] = formats.quantize_fp8_block2d(torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k))
-    return w, sf
-
-
 @pytest.fixture(scope="module", params=list(MODELS))
 def model_layer(request):
     e, k, h, i = MODELS[request.param]
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    w13, sf13 = _fp8_weights(e, 2 * i, h, gen)
-    w2, sf2 = _fp8_weights(e, h, i, gen)
+    w13, sf13 = reference.make_fp8_block_weights(e, 2 * i, h, generator=gen, device="cuda")
+    w2, sf2 = reference.make_fp8_block_weights(e, h, i, generator=gen, device="cuda")
     l1 = megamoe.transform_weights(w13, sf13, weight_format="fp8", is_l1=True)
     l2 = megamoe.transform_weights(w2, sf2, weight_format="fp8", is_l1=False)
     yield request.param, (e, k, h, i), (w13, sf13, w2, sf2), l1, l2
