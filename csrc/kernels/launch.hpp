@@ -21,9 +21,9 @@ void launch_pre_dispatch(const void* x, const void* topk_idx, bool topk_idx_is_i
 void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens, int block_m,
                     int* recv_stats, cudaStream_t stream);
 
-// Gather: copy each pool row's token (and its scales, K-block-major) into the dispatch area. FP8
-// recipes only: scales are float32 per 128 (sf_elem_bytes 4) or UE8M0 per 32 (sf_elem_bytes 1).
-void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, int sf_elem_bytes, int num_sms,
+// Gather: copy each pool row's token (packed row, scales K-block-major, NVFP4 per-token global scale)
+// into the dispatch area, in the layout of `recipe`.
+void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, ActRecipe recipe, int num_sms,
                    cudaStream_t stream);
 
 // Combine: y[t] = sum over valid slots of combine[t, k] (float32, slot order) -> bf16.

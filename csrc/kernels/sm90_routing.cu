@@ -84,8 +84,10 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   }
 }
 
-// One warp per pool row: the token's packed row (16 bytes a lane) and its scales, K-block-major.
-__global__ void gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elem_bytes) {
+// One warp per pool row: the token's packed row (16 bytes a lane), its scales (K-block-major:
+// `sf_elems` elements of `sf_elem_bytes` each) and, for NVFP4 activations, its global scale.
+__global__ void gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elems, int sf_elem_bytes,
+                              bool has_global_sf) {
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
   const int num_rows = reinterpret_cast<const int*>(buffer + l.expert_offset_offset)[l.num_local_experts];
@@ -93,7 +95,6 @@ __global__ void gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_el
   const int warps = gridDim.x * blockDim.x / 32;
   const int* pool_src = reinterpret_cast<const int*>(buffer + l.pool_src_offset);
   const int top_k = static_cast<int>(l.top_k);
-  const int sf_elems = static_cast<int>(l.hidden / 128 * 4 / sf_elem_bytes);  // FP8 recipes: H/32 bytes
   for (int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32; row < num_rows; row += warps) {
     const int token = pool_src[row] / top_k;
     const uint4* src = reinterpret_cast<const uint4*>(buffer + l.x_offset + int64_t(token) * l.token_bytes);
@@ -107,6 +108,9 @@ __global__ void gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_el
       else
         dsf[int64_t(j) * l.pool_rows + row] = sf[j];
     }
+    if (has_global_sf && lane == 0)
+      reinterpret_cast<float*>(buffer + l.dispatch_global_sf_offset)[row] =
+          reinterpret_cast<const float*>(buffer + l.x_global_sf_offset)[token];
   }
 }
 
@@ -152,9 +156,14 @@ void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int ran
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, int sf_elem_bytes, int num_sms,
+void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, ActRecipe recipe, int num_sms,
                    cudaStream_t stream) {
-  launch_pdl(gather_kernel, dim3(num_sms * 4), dim3(256), 0, stream, buffer, layout, sf_elem_bytes);
+  // Scale elements per token row of `hidden`, by recipe (docs/decisions.md, "Activation recipes").
+  const int h = static_cast<int>(layout.hidden);
+  const int sf_elem_bytes = recipe == ActRecipe::kFP8F32Block128 ? 4 : 1;
+  const int sf_elems = recipe == ActRecipe::kFP8F32Block128 ? h / 128 : recipe == ActRecipe::kNVFP4 ? h / 16 : h / 32;
+  launch_pdl(gather_kernel, dim3(num_sms * 4), dim3(256), 0, stream, buffer, layout, sf_elems, sf_elem_bytes,
+             recipe == ActRecipe::kNVFP4);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,42 +1,14 @@
 // CUDA registrations: validation (shared with CPU), arch and feature checks, then the sm90 kernels.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime.h>
 #include <torch/library.h>
 
 #include "heuristics/sm90.hpp"
+#include "ops/cuda_utils.hpp"
 #include "kernels/launch.hpp"
 #include "ops/ops.hpp"
 
 namespace megamoe {
-
-namespace {
-
-// NOTES: ATen/cuda/CUDAContext.h would pull cuBLAS/cuSPARSE headers into the build; the runtime
-// attribute queries are all the ops need (and cheap: the driver caches them).
-int device_attribute(const at::Tensor& t, cudaDeviceAttr attr) {
-  int v = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, t.device().index()));
-  return v;
-}
-
-std::string arch_name(const at::Tensor& t) {
-  return "sm_" + std::to_string(device_attribute(t, cudaDevAttrComputeCapabilityMajor)) +
-         std::to_string(device_attribute(t, cudaDevAttrComputeCapabilityMinor));
-}
-
-// The kernels are compiled for sm_90a only; say which path another GPU would need.
-void check_arch(const at::Tensor& t, const char* op) {
-  TORCH_CHECK_NOT_IMPLEMENTED(device_attribute(t, cudaDevAttrComputeCapabilityMajor) == 9, op,
-                              ": no CUDA kernel for ", arch_name(t), ": megamoe's kernels are built for sm_90a "
-                              "(Hopper); other GPUs need the portable mma.sync path, which is not implemented yet");
-}
-
-int num_sms(const at::Tensor& t) { return device_attribute(t, cudaDevAttrMultiProcessorCount); }
-
-uint8_t* buffer_ptr(at::Tensor& buffer) { return buffer.data_ptr<uint8_t>(); }
-
-}  // namespace
 
 void pre_dispatch_cuda_op(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                           at::Tensor& buffer, int64_t num_experts, int64_t num_ranks, int64_t rank,
@@ -78,7 +50,7 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
   // ---- routing and gather (dispatch within the rank)
   kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
                           recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream);
-  kernels::launch_gather(buf, l, /*sf_elem_bytes=*/4, sms, stream);
+  kernels::launch_gather(buf, l, ActRecipe::kFP8F32Block128, sms, stream);
 
   // ---- L1: dispatch rows x w13 -> SwiGLU -> FP8 pool
   kernels::GroupedGemmArgs g1;
@@ -108,24 +80,6 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
   kernels::launch_combine(y.data_ptr(), buf, l, static_cast<int>(args.buf.rank), t, stream);
 }
 
-void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Tensor& l1_weights_sf,
-                           const at::Tensor& l1_weights_global_sf, const at::Tensor& l2_weights,
-                           const at::Tensor& l2_weights_sf, const at::Tensor& l2_weights_global_sf,
-                           at::Tensor& buffer, int64_t num_experts, int64_t num_ranks, int64_t rank,
-                           int64_t max_tokens_per_rank, int64_t top_k, c10::string_view weight_format,
-                           c10::string_view act_format, std::optional<double> activation_clamp, bool fast_math,
-                           std::optional<at::Tensor> recv_stats) {
-  const auto format = parse_weight_format(weight_format);
-  TORCH_CHECK_VALUE(format != WeightFormat::kFP8, "weight_format: fp8_fp4_mega_moe takes 'mxfp4' or 'nvfp4'; "
-                    "FP8 block weights go through fp8_mega_moe");
-  check_mega_moe(y, l1_weights, l1_weights_sf, l1_weights_global_sf, l2_weights, l2_weights_sf,
-                 l2_weights_global_sf, buffer, num_experts, num_ranks, rank, max_tokens_per_rank, top_k, format,
-                 parse_act_format(act_format), activation_clamp, fast_math, recv_stats);
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "fp8_fp4_mega_moe: weight_format '", to_string(format), "' with act_format '",
-                              std::string(act_format), "' has no CUDA kernel for ", arch_name(y),
-                              " yet (the FP4 Hopper kernels are a separate issue); the CPU op implements it");
-}
-
 }  // namespace
 
 }  // namespace megamoe
@@ -133,5 +87,4 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
 TORCH_LIBRARY_IMPL(megamoe, CUDA, m) {
   m.impl("pre_dispatch", &megamoe::pre_dispatch_cuda_op);
   m.impl("fp8_mega_moe", &megamoe::fp8_mega_moe_cuda);
-  m.impl("fp8_fp4_mega_moe", &megamoe::fp8_fp4_mega_moe_cuda);
 }
