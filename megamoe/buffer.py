@@ -15,7 +15,9 @@ import torch
 
 from .ops import ACT_FORMATS, BUFFER_LAYOUT_FIELDS, ops
 
-ERROR_CODES = {1: "expert id outside [-1, num_experts)", 2: "token count above the buffer's capacity"}
+ERROR_CODES = {1: "expert id outside [-1, num_experts)", 2: "token count above the buffer's capacity",
+               3: "buffer's peer table does not hold this buffer (not allocated by get_symm_buffer)",
+               4: "timed out waiting for a peer rank (did every rank of the group call the op?)"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +84,13 @@ class MegaMoEBuffer:
         if code == 1:
             raise ValueError(f"topk_idx: {what}: got {value} at token {token}, slot {slot} "
                              f"(num_experts = {self.num_experts}); the slot was skipped")
-        raise ValueError(f"{what}: got {value} (max_tokens_per_rank = {self.max_tokens_per_rank})")
+        if code == 2:
+            raise ValueError(f"{what}: got {value} from rank {slot if slot >= 0 else self.rank} "
+                             f"(max_tokens_per_rank = {self.max_tokens_per_rank})")
+        if code in (3, 4):
+            raise RuntimeError(f"{what}: rank {value} (this rank: {self.rank} of {self.num_ranks}); "
+                               f"the call's output is not valid")
+        raise ValueError(f"{what}: got {value}")
 
 
 def checked_mode(check: Optional[bool]) -> bool:
@@ -130,6 +138,13 @@ def get_symm_buffer(group, num_experts: int, max_tokens_per_rank: int, top_k: in
         buf = symm_mem.empty(layout["total_bytes"], dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(buf, group)
         buf.zero_()
+        # The peer table: kernels address other ranks' buffers (NVLink loads and stores) through it, and
+        # check that the entry of their own rank is this buffer before trusting the others. (One rank:
+        # unused, the buffer stays all zeros.)
+        offset = layout["peer_ptrs_offset"]
+        ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64)
+        buf[offset:offset + 8 * num_ranks].view(torch.int64).copy_(ptrs)
+        torch.cuda.synchronize(device)
         handle.barrier()
     return MegaMoEBuffer(buf, num_experts, num_ranks, rank, max_tokens_per_rank, top_k, hidden, intermediate,
                          act_format, group=group, handle=handle)

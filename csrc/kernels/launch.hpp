@@ -17,7 +17,8 @@ void launch_pre_dispatch(const void* x, const void* topk_idx, bool topk_idx_is_i
                          uint8_t* buffer, const layout::BufferLayout& layout, int num_tokens, ActRecipe recipe,
                          cudaStream_t stream);
 
-// Routing: per-expert row lists (pool_src), offsets, token-block offsets for `block_m`, recv_stats.
+// Routing: (EP: barrier 0, then) per-expert row lists (pool_src) over every rank's slots, offsets,
+// token-block offsets for `block_m`, recv_stats.
 void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens, int block_m,
                     int* recv_stats, cudaStream_t stream);
 
@@ -26,9 +27,9 @@ void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int ran
 void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, ActRecipe recipe, int num_sms,
                    cudaStream_t stream);
 
-// Combine: y[t] = sum over valid slots of combine[t, k] (float32, slot order) -> bf16.
-void launch_combine(void* y, const uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens,
-                    cudaStream_t stream);
+// Combine: (EP: barrier 1, then) y[t] = sum over valid slots of combine[t, k] (float32, slot order) -> bf16.
+void launch_combine(void* y, uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens,
+                    int num_sms, cudaStream_t stream);
 
 // Grouped FP8 GEMM over (expert, token block, 256 weight rows) tiles.
 struct GroupedGemmArgs {

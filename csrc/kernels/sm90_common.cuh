@@ -58,6 +58,55 @@ __device__ __forceinline__ void record_error(uint8_t* buffer, const layout::Buff
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// Expert parallelism: peer buffers and cross-rank barriers over symmetric memory (DESIGN.md §7)
+// ------------------------------------------------------------------------------------------------
+// Rank r's buffer. With one rank that is this buffer (a plain tensor has no peer table).
+__device__ __forceinline__ uint8_t* peer_buffer(uint8_t* buffer, const layout::BufferLayout& l, int r) {
+  if (l.num_ranks == 1) return buffer;
+  return reinterpret_cast<uint8_t* const*>(buffer + l.peer_ptrs_offset)[r];
+}
+
+__device__ __forceinline__ uint32_t* signal_words(uint8_t* buffer, const layout::BufferLayout& l) {
+  return reinterpret_cast<uint32_t*>(buffer + l.signal_offset);
+}
+// The call counter (this rank's, incremented once per call by the routing kernel).
+__device__ __forceinline__ uint32_t* epoch_word(uint8_t* buffer, const layout::BufferLayout& l) {
+  return signal_words(buffer, l) + 2 * l.num_ranks;
+}
+
+constexpr uint64_t kPeerWaitTimeoutNs = 20ull * 1000 * 1000 * 1000;
+
+// Barrier `phase` (0: inputs of this call are in every buffer; 1: every expert output of this call is in
+// its owner's combine area) of call `epoch`. Thread q < num_ranks stores the epoch into rank q's slot
+// [phase][rank] (release, system scope: this rank's earlier writes, local or remote, become visible
+// first), then thread q waits (acquire) until rank q has stored it into this rank's slot [phase][q].
+// NOTES: the values only grow, so no flag is ever reset and a replayed CUDA graph stays in step. A wait
+// that outlives kPeerWaitTimeoutNs (a peer that never calls) gives up and sets the error word: the
+// result is then wrong but the process does not hang. Callers __syncthreads() afterwards.
+__device__ __forceinline__ void ep_signal(uint8_t* buffer, const layout::BufferLayout& l, int rank, int phase,
+                                          uint32_t epoch) {
+  const int q = threadIdx.x;
+  if (q < l.num_ranks) {
+    __threadfence_system();
+    ptx::st_release_sys(signal_words(peer_buffer(buffer, l, q), l) + phase * l.num_ranks + rank, epoch);
+  }
+}
+__device__ __forceinline__ void ep_wait(uint8_t* buffer, const layout::BufferLayout& l, int phase, uint32_t epoch) {
+  const int q = threadIdx.x;
+  if (q < l.num_ranks) {
+    const uint32_t* flag = signal_words(buffer, l) + phase * l.num_ranks + q;
+    const uint64_t start = ptx::globaltimer_ns();
+    while (static_cast<int32_t>(ptx::ld_acquire_sys(flag) - epoch) < 0) {
+      if (ptx::globaltimer_ns() - start > kPeerWaitTimeoutNs) {
+        record_error(buffer, l, layout::kErrorTimeout, q, -1, phase);
+        break;
+      }
+      __nanosleep(64);
+    }
+  }
+}
+
 // Max over groups of kLanes consecutive lanes (kLanes a power of two <= 32).
 template <int kLanes>
 __device__ __forceinline__ float warp_reduce_max(float v) {

@@ -232,13 +232,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if constexpr (kIsL1) {
       // SwiGLU in registers: acc0 = gate rows, acc1 = the matching up rows.
       float* amax_smem = reinterpret_cast<float*>(epilogue + kBlockM * 128);  // [8 warps][kBlockM]
-      const int* pool_src = reinterpret_cast<const int*>(p.buffer + l.pool_src_offset);
-      const float* topk_weights = reinterpret_cast<const float*>(p.buffer + l.topk_weights_offset);
+      const float* row_weight = reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset);
       float col_w[kBlockM / 4];
 #pragma unroll
       for (int j = 0; j < kBlockM / 4; ++j) {
         const int col = 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
-        col_w[j] = col < t.rows ? topk_weights[pool_src[t.row0 + col]] : 0.0f;
+        col_w[j] = col < t.rows ? row_weight[t.row0 + col] : 0.0f;
       }
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) {
@@ -293,7 +292,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     } else {
-      // L2: bf16 rows into the combine area at (token, slot).
+      // L2: bf16 rows into the combine area of the token's rank at (token, slot) (NVLink stores for a peer).
       __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epilogue);  // [kBlockM][256]
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) {
@@ -304,12 +303,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       const int* pool_src = reinterpret_cast<const int*>(p.buffer + l.pool_src_offset);
-      __nv_bfloat16* combine = reinterpret_cast<__nv_bfloat16*>(p.buffer + l.combine_offset);
+      const int rank_slots = static_cast<int>(l.max_tokens_per_rank * l.top_k);
       for (int c = ctid; c < kBlockM * 32; c += kNumConsumerThreads) {
         const int col = c / 32, part = c % 32;
-        if (col < t.rows && t.n_block * kBlockN + part * 8 < p.n)
-          *reinterpret_cast<uint4*>(combine + int64_t(pool_src[t.row0 + col]) * l.hidden + t.n_block * kBlockN +
+        if (col < t.rows && t.n_block * kBlockN + part * 8 < p.n) {
+          const int src = pool_src[t.row0 + col];
+          const int src_rank = src / rank_slots;
+          auto* combine = reinterpret_cast<__nv_bfloat16*>(peer_buffer(p.buffer, l, src_rank) + l.combine_offset);
+          *reinterpret_cast<uint4*>(combine + int64_t(src - src_rank * rank_slots) * l.hidden + t.n_block * kBlockN +
                                     part * 8) = reinterpret_cast<const uint4*>(out_tile)[c];
+        }
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     }

@@ -25,7 +25,29 @@ __device__ __forceinline__ int local_expert(int id, const layout::BufferLayout& 
   return local >= 0 && local < l.num_local_experts ? local : -1;
 }
 
-// One block: count rows per local expert, scan into row and token-block offsets, then scatter.
+// Calls f(i, id) for the first n slot ids of a (possibly remote) rank's topk_idx, four loads in flight
+// per thread: over NVLink the loop is bound by load latency, not bandwidth.
+template <typename F>
+__device__ __forceinline__ void for_each_slot(const int* ids, int n, F&& f) {
+  constexpr int kUnroll = 4;
+  for (int base = 0; base < n; base += kUnroll * blockDim.x) {
+    int v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * blockDim.x + threadIdx.x;
+      v[u] = i < n ? __ldcg(ids + i) : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * blockDim.x + threadIdx.x;
+      if (i < n) f(i, v[u]);
+    }
+  }
+}
+
+// One block: (EP) barrier 0, then count rows per local expert over every rank's slots, scan into row
+// and token-block offsets, then scatter. Pool rows are global slot indices
+// (source rank * max_tokens + token) * top_k + slot.
 // NOTES: rows of one expert land in arbitrary order (atomics); every output element is still computed
 // by exactly one tile with a fixed summation order, so results are deterministic.
 __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffer, layout::BufferLayout l, int rank,
@@ -34,16 +56,51 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   ptx::launch_dependents();
   extern __shared__ int smem[];
   const int num_experts = static_cast<int>(l.num_local_experts);
+  const int num_ranks = static_cast<int>(l.num_ranks);
+  const int top_k = static_cast<int>(l.top_k);
+  const int rank_slots = static_cast<int>(l.max_tokens_per_rank) * top_k;
   int* count = smem;
   int* cursor = smem + num_experts;
-  const int* ids = reinterpret_cast<const int*>(buffer + l.topk_idx_offset);
-  const int num_slots = num_tokens * static_cast<int>(l.top_k);
+  int* rank_tokens = cursor + num_experts;  // [num_ranks]
+  __shared__ bool peers_ok;
 
+  if (num_ranks > 1) {
+    // A buffer whose peer table does not point at itself did not come from get_symm_buffer: no
+    // address in that table is trusted. The call then routes nothing and says so in the error word.
+    if (threadIdx.x == 0) {
+      peers_ok = peer_buffer(buffer, l, rank) == buffer;
+      if (!peers_ok) record_error(buffer, l, layout::kErrorPeerPointers, rank, -1, -1);
+      else *epoch_word(buffer, l) += 1;
+    }
+    __syncthreads();
+    if (peers_ok) {
+      const uint32_t epoch = *epoch_word(buffer, l);
+      ep_signal(buffer, l, rank, 0, epoch);
+      ep_wait(buffer, l, 0, epoch);
+    }
+    __syncthreads();
+  } else if (threadIdx.x == 0) {
+    peers_ok = true;
+  }
+  for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+    int n = r == rank ? num_tokens : peers_ok ? __ldcg(reinterpret_cast<const int*>(peer_buffer(buffer, l, r) +
+                                                                                     l.num_tokens_offset))
+                                              : 0;
+    if (n < 0 || n > l.max_tokens_per_rank) {  // a peer's count is never trusted as an address bound
+      record_error(buffer, l, layout::kErrorTokenCount, n, -1, r);
+      n = n < 0 ? 0 : static_cast<int>(l.max_tokens_per_rank);
+    }
+    rank_tokens[r] = peers_ok ? n : 0;
+  }
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
-    const int e = local_expert(ids[i], l, rank, buffer, i, true);
-    if (e >= 0) atomicAdd(&count[e], 1);
+  for (int r = 0; r < num_ranks; ++r) {
+    const int* ids = reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.topk_idx_offset);
+    for_each_slot(ids, rank_tokens[r] * top_k, [&](int i, int id) {
+      // Each rank reports its own tokens' bad ids.
+      const int e = local_expert(id, l, rank, buffer, i, r == rank);
+      if (e >= 0) atomicAdd(&count[e], 1);
+    });
   }
   __syncthreads();
 
@@ -78,65 +135,104 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   __syncthreads();
 
   int* pool_src = reinterpret_cast<int*>(buffer + l.pool_src_offset);
-  for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
-    const int e = local_expert(ids[i], l, rank, buffer, i, false);
-    if (e >= 0) pool_src[atomicAdd(&cursor[e], 1)] = i;
+  for (int r = 0; r < num_ranks; ++r) {
+    const int* ids = reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.topk_idx_offset);
+    for_each_slot(ids, rank_tokens[r] * top_k, [&](int i, int id) {
+      const int e = local_expert(id, l, rank, buffer, i, false);
+      if (e >= 0) pool_src[atomicAdd(&cursor[e], 1)] = r * rank_slots + i;
+    });
   }
 }
 
 // One warp per pool row: the token's packed row (16 bytes a lane), its scales (K-block-major:
-// `sf_elems` elements of `sf_elem_bytes` each) and, for NVFP4 activations, its global scale.
+// `sf_elems` elements of `sf_elem_bytes` each), its top-k weight and, for NVFP4 activations, its global
+// scale, read from the buffer of the rank that owns the token (NVLink loads for a peer).
 __global__ void gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elems, int sf_elem_bytes,
                               bool has_global_sf) {
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
-  const int num_rows = reinterpret_cast<const int*>(buffer + l.expert_offset_offset)[l.num_local_experts];
+  const int num_rows = __ldcg(reinterpret_cast<const int*>(buffer + l.expert_offset_offset) + l.num_local_experts);
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * blockDim.x / 32;
   const int* pool_src = reinterpret_cast<const int*>(buffer + l.pool_src_offset);
+  const int rank_slots = static_cast<int>(l.max_tokens_per_rank * l.top_k);
   const int top_k = static_cast<int>(l.top_k);
+  const int chunks = static_cast<int>(l.token_bytes / 16);
   for (int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32; row < num_rows; row += warps) {
-    const int token = pool_src[row] / top_k;
-    const uint4* src = reinterpret_cast<const uint4*>(buffer + l.x_offset + int64_t(token) * l.token_bytes);
-    uint4* dst = reinterpret_cast<uint4*>(buffer + l.dispatch_x_offset + int64_t(row) * l.token_bytes);
-    for (int i = lane; i < l.token_bytes / 16; i += 32) dst[i] = src[i];
-    const uint8_t* sf = buffer + l.x_sf_offset + int64_t(token) * l.token_sf_bytes;
+    const int src = __ldcg(pool_src + row);
+    const int src_rank = src / rank_slots, slot = src - src_rank * rank_slots, token = slot / top_k;
+    const uint8_t* peer = peer_buffer(buffer, l, src_rank);
+    const uint4* from = reinterpret_cast<const uint4*>(peer + l.x_offset + int64_t(token) * l.token_bytes);
+    uint4* to = reinterpret_cast<uint4*>(buffer + l.dispatch_x_offset + int64_t(row) * l.token_bytes);
+    // All loads of a lane first, then the stores: a remote row costs one round trip, not eight.
+    constexpr int kMaxChunksPerLane = 8;  // hidden <= 8 * 32 * 16 bytes = 4096 FP8 per pass
+    for (int base = 0; base < chunks; base += 32 * kMaxChunksPerLane) {
+      uint4 v[kMaxChunksPerLane];
+#pragma unroll
+      for (int u = 0; u < kMaxChunksPerLane; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < chunks) v[u] = __ldcg(from + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kMaxChunksPerLane; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < chunks) to[i] = v[u];
+      }
+    }
+    const uint8_t* sf = peer + l.x_sf_offset + int64_t(token) * l.token_sf_bytes;
     uint8_t* dsf = buffer + l.dispatch_sf_offset;
     for (int j = lane; j < sf_elems; j += 32) {
       if (sf_elem_bytes == 4)
-        reinterpret_cast<float*>(dsf)[int64_t(j) * l.pool_rows + row] = reinterpret_cast<const float*>(sf)[j];
+        reinterpret_cast<float*>(dsf)[int64_t(j) * l.pool_rows + row] = __ldcg(reinterpret_cast<const float*>(sf) + j);
       else
         dsf[int64_t(j) * l.pool_rows + row] = sf[j];
     }
-    if (has_global_sf && lane == 0)
-      reinterpret_cast<float*>(buffer + l.dispatch_global_sf_offset)[row] =
-          reinterpret_cast<const float*>(buffer + l.x_global_sf_offset)[token];
+    if (lane == 0) {
+      reinterpret_cast<float*>(buffer + l.dispatch_weight_offset)[row] =
+          __ldcg(reinterpret_cast<const float*>(peer + l.topk_weights_offset) + slot);
+      if (has_global_sf)
+        reinterpret_cast<float*>(buffer + l.dispatch_global_sf_offset)[row] =
+            __ldcg(reinterpret_cast<const float*>(peer + l.x_global_sf_offset) + token);
+    }
   }
 }
 
-// Block (token, 1024-channel chunk); 8 channels a thread; slots summed in slot order in float32.
+// Blocks (token stride, 1024-channel chunk); 8 channels a thread; slots summed in slot order in float32.
+// Every valid slot's row is in this rank's combine area: written by the rank that owns its expert.
+// NOTES (EP): block (0, 0) signals barrier 1 (this rank's expert outputs of this call are all written:
+// the L2 grid has completed) and every block waits for all ranks'. The grid is at most a few blocks per
+// SM, so every block is resident once the L2 grid has left and the wait cannot starve block (0, 0).
 constexpr int kCombineThreads = 128;
-__global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16* y, const uint8_t* buffer,
-                                                                  layout::BufferLayout l, int rank) {
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16* y, uint8_t* buffer,
+                                                                  layout::BufferLayout l, int rank, int num_tokens) {
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
-  const int token = blockIdx.x;
   const int top_k = static_cast<int>(l.top_k), hidden = static_cast<int>(l.hidden);
-  const int* ids = reinterpret_cast<const int*>(buffer + l.topk_idx_offset) + token * top_k;
-  const __nv_bfloat16* rows =
-      reinterpret_cast<const __nv_bfloat16*>(buffer + l.combine_offset) + int64_t(token) * top_k * hidden;
-  const int first = rank * static_cast<int>(l.num_local_experts);
+  bool zero = false;  // the routing of this call rejected the peer table: no row was produced
+  if (l.num_ranks > 1) {
+    zero = __ldcg(reinterpret_cast<const int*>(buffer + l.error_offset)) == layout::kErrorPeerPointers;
+    if (!zero) {
+      const uint32_t epoch = __ldcg(epoch_word(buffer, l));
+      if (blockIdx.x == 0 && blockIdx.y == 0) ep_signal(buffer, l, rank, 1, epoch);
+      ep_wait(buffer, l, 1, epoch);
+      __syncthreads();
+    }
+  }
   const int c = (blockIdx.y * kCombineThreads + threadIdx.x) * 8;
-  if (c < hidden) {
+  if (c >= hidden) return;
+  for (int token = blockIdx.x; token < num_tokens; token += gridDim.x) {
+    const int* ids = reinterpret_cast<const int*>(buffer + l.topk_idx_offset) + token * top_k;
+    const __nv_bfloat16* rows =
+        reinterpret_cast<const __nv_bfloat16*>(buffer + l.combine_offset) + int64_t(token) * top_k * hidden;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll 4
     for (int k = 0; k < top_k; ++k) {
       const int id = ids[k];
-      if (id < first || id >= first + l.num_local_experts) continue;  // unused, invalid or remote
-      float v[8];
-      load_bf16x8(rows + int64_t(k) * hidden + c, v);
+      if (zero || id < 0 || id >= l.num_experts) continue;  // unused or invalid (never an address)
+      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(rows + int64_t(k) * hidden + c));
+      const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += v[i];
+      for (int i = 0; i < 8; ++i) acc[i] += __bfloat162float(b[i]);
     }
     uint4 out;
     __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
@@ -150,7 +246,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16*
 
 void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens, int block_m,
                     int* recv_stats, cudaStream_t stream) {
-  const size_t smem = size_t(layout.num_local_experts) * 2 * sizeof(int);
+  const size_t smem = size_t(2 * layout.num_local_experts + layout.num_ranks) * sizeof(int);
   launch_pdl(routing_kernel, dim3(1), dim3(kRoutingThreads), smem, stream, buffer, layout, rank, num_tokens, block_m,
              recv_stats);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
@@ -167,12 +263,14 @@ void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, ActRecip
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
-void launch_combine(void* y, const uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens,
-                    cudaStream_t stream) {
-  if (num_tokens == 0) return;
-  const dim3 grid(num_tokens, static_cast<unsigned>((layout.hidden / 8 + kCombineThreads - 1) / kCombineThreads));
+void launch_combine(void* y, uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens,
+                    int num_sms, cudaStream_t stream) {
+  // One rank with no tokens has nothing to do; with peers it still takes part in barrier 1.
+  if (num_tokens == 0 && layout.num_ranks == 1) return;
+  const unsigned blocks_x = static_cast<unsigned>(num_tokens < 1 ? 1 : num_tokens < num_sms ? num_tokens : num_sms);
+  const dim3 grid(blocks_x, static_cast<unsigned>((layout.hidden / 8 + kCombineThreads - 1) / kCombineThreads));
   launch_pdl(combine_kernel, grid, dim3(kCombineThreads), 0, stream, static_cast<__nv_bfloat16*>(y), buffer, layout,
-             rank);
+             rank, num_tokens);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -34,20 +34,19 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
                                    at::Tensor(), buffer, num_experts, num_ranks, rank, max_tokens_per_rank, top_k,
                                    WeightFormat::kFP8, ActFormat::kFP8, activation_clamp, fast_math, recv_stats);
   check_arch(y, "fp8_mega_moe");
-  TORCH_CHECK_NOT_IMPLEMENTED(num_ranks == 1, "num_ranks: expert parallelism (num_ranks > 1) is not implemented "
-                              "in the sm90 kernels yet, got ", num_ranks);
   const c10::cuda::CUDAGuard guard(y.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const auto& l = args.buf.layout;
   const int t = static_cast<int>(args.num_tokens);
-  if (t == 0) return;
+  // NOTES: with peers, a rank without tokens still serves theirs and takes part in both barriers.
+  if (t == 0 && l.num_ranks == 1) return;
   const int sms = num_sms(y);
   const auto cfg = heuristics::choose_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate);
   uint8_t* buf = buffer_ptr(buffer);
   const uint64_t e = l.num_local_experts, h = l.hidden, inter = l.intermediate, rows = l.pool_rows;
   const auto bm = static_cast<uint32_t>(cfg.block_m);
 
-  // ---- routing and gather (dispatch within the rank)
+  // ---- routing and gather (dispatch: every rank's tokens routed to this rank's experts)
   kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
                           recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream);
   kernels::launch_gather(buf, l, ActRecipe::kFP8F32Block128, sms, stream);
@@ -77,7 +76,7 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
   kernels::launch_fp8_grouped_gemm(g2, buf, l, cfg.block_m, sms, stream);
 
   // ---- combine over slots
-  kernels::launch_combine(y.data_ptr(), buf, l, static_cast<int>(args.buf.rank), t, stream);
+  kernels::launch_combine(y.data_ptr(), buf, l, static_cast<int>(args.buf.rank), t, sms, stream);
 }
 
 }  // namespace

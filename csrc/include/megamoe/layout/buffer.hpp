@@ -15,7 +15,13 @@
 namespace megamoe::layout {
 
 // Error word codes (int32 [4] at error_offset: code, offending value, token, slot).
-enum ErrorCode : int32_t { kErrorNone = 0, kErrorExpertId = 1, kErrorTokenCount = 2 };
+enum ErrorCode : int32_t {
+  kErrorNone = 0,
+  kErrorExpertId = 1,     // value: the id
+  kErrorTokenCount = 2,   // value: the count (a peer's, in expert parallelism)
+  kErrorPeerPointers = 3, // value: the rank; the buffer's peer table does not hold this buffer
+  kErrorTimeout = 4,      // value: the peer rank a cross-rank wait gave up on
+};
 
 constexpr int64_t kAlignment = 128;  // every region starts on a 128-byte boundary (TMA needs 16)
 constexpr int64_t kNumErrorWords = 4;
@@ -42,6 +48,8 @@ struct BufferLayout {
   int64_t expert_count_offset = 0;   // int32 [num_local_experts]: pool rows per local expert
   int64_t expert_offset_offset = 0;  // int32 [num_local_experts + 1]: first pool row of each expert
   int64_t tile_offset_offset = 0;    // int32 [num_local_experts + 1]: cumulative token blocks per expert
+  int64_t peer_ptrs_offset = 0;      // int64 [num_ranks]: every rank's buffer address (get_symm_buffer)
+  int64_t signal_offset = 0;         // uint32 [2 phases][num_ranks] written by peers, then the call epoch
   int64_t x_offset = 0;              // uint8 [max_tokens_per_rank, token_bytes]
   int64_t x_sf_offset = 0;           // uint8 [max_tokens_per_rank, token_sf_bytes]
   int64_t x_global_sf_offset = 0;    // float32 [max_tokens_per_rank] (NVFP4 activations only)
@@ -51,6 +59,7 @@ struct BufferLayout {
   int64_t dispatch_x_offset = 0;     // uint8 [pool_rows, token_bytes]: L1 inputs grouped by expert
   int64_t dispatch_sf_offset = 0;    // scales of dispatch_x, K-block-major: [K / block, pool_rows]
   int64_t dispatch_global_sf_offset = 0;  // float32 [pool_rows]
+  int64_t dispatch_weight_offset = 0; // float32 [pool_rows]: the row's top-k weight (read by SwiGLU)
   int64_t pool_offset = 0;           // uint8 [pool_rows, pool_row_bytes]: L2 inputs (SwiGLU output)
   int64_t pool_sf_offset = 0;        // scales of pool, K-block-major: [I / block, pool_rows]
   int64_t pool_global_sf_offset = 0; // float32 [pool_rows]
@@ -91,6 +100,8 @@ struct BufferLayout {
     l.expert_count_offset = take(l.num_local_experts * 4);
     l.expert_offset_offset = take((l.num_local_experts + 1) * 4);
     l.tile_offset_offset = take((l.num_local_experts + 1) * 4);
+    l.peer_ptrs_offset = take(num_ranks * 8);
+    l.signal_offset = take((2 * num_ranks + 1) * 4);
     l.x_offset = take(max_tokens_per_rank * l.token_bytes);
     l.x_sf_offset = take(max_tokens_per_rank * l.token_sf_bytes);
     l.x_global_sf_offset = take(max_tokens_per_rank * 4);
@@ -100,6 +111,7 @@ struct BufferLayout {
     l.dispatch_x_offset = take(l.pool_rows * l.token_bytes);
     l.dispatch_sf_offset = take(l.pool_rows * l.token_sf_bytes);
     l.dispatch_global_sf_offset = take(l.pool_rows * 4);
+    l.dispatch_weight_offset = take(l.pool_rows * 4);
     l.pool_offset = take(l.pool_rows * l.pool_row_bytes);
     l.pool_sf_offset = take(l.pool_rows * l.pool_row_sf_bytes);
     l.pool_global_sf_offset = take(l.pool_rows * 4);
@@ -112,10 +124,10 @@ struct BufferLayout {
 // Order of the fields returned by the `get_buffer_layout` op (megamoe/buffer.py reads them by name).
 #define MEGAMOE_BUFFER_LAYOUT_FIELDS(X)                                                        \
   X(total_bytes) X(error_offset) X(num_tokens_offset) X(expert_count_offset)                  \
-  X(expert_offset_offset) X(tile_offset_offset) X(x_offset)                                   \
+  X(expert_offset_offset) X(tile_offset_offset) X(peer_ptrs_offset) X(signal_offset) X(x_offset) \
   X(x_sf_offset) X(x_global_sf_offset) X(topk_idx_offset) X(topk_weights_offset)              \
   X(pool_src_offset) X(dispatch_x_offset) X(dispatch_sf_offset) X(dispatch_global_sf_offset)  \
-  X(pool_offset) X(pool_sf_offset) X(pool_global_sf_offset)                \
+  X(dispatch_weight_offset) X(pool_offset) X(pool_sf_offset) X(pool_global_sf_offset)                \
   X(combine_offset) X(token_bytes) X(token_sf_bytes) X(pool_rows) X(pool_row_bytes)          \
   X(pool_row_sf_bytes) X(num_local_experts)
 

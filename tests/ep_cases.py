@@ -1,0 +1,213 @@
+"""Expert-parallel correctness checks: one process per GPU, every rank checks its own output.
+
+The EP result of each rank must equal, bit for bit, the rows of that rank in the single-GPU (EP=1) result
+of the same global batch with the same weights: the per-element arithmetic does not depend on which rank
+computes a row (K order, promotion and requantization are per element; combine sums slots in slot order).
+
+Run directly on a multi-GPU machine::
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/ep_cases.py [--shapes small,flash]
+
+or through ``tests/test_ep.py`` (pytest spawns the processes).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import megamoe
+from megamoe import reference
+
+# name -> (num_experts, hidden, intermediate, top_k); experts divisible by 2, 4 and 8 ranks.
+SHAPES = {
+    "small": (16, 256, 384, 3),
+    "medium": (64, 1024, 512, 6),
+    "flash": (256, 4096, 2048, 6),
+}
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+class Layer:
+    """One global FP8 layer (identical on every rank: same seeds), its kernel-layout weights, and this
+    rank's slice of experts."""
+
+    def __init__(self, shape: str, device: torch.device):
+        self.num_experts, self.hidden, self.intermediate, self.top_k = SHAPES[shape]
+        rank, world = dist.get_rank(), dist.get_world_size()
+        gen = torch.Generator(device=device).manual_seed(1234)
+        e, h, i = self.num_experts, self.hidden, self.intermediate
+        self.w13, self.w13_sf = reference.make_fp8_block_weights(e, 2 * i, h, generator=gen, device=device)
+        self.w2, self.w2_sf = reference.make_fp8_block_weights(e, h, i, generator=gen, device=device)
+        self.l1 = megamoe.transform_weights(self.w13, self.w13_sf, weight_format="fp8", is_l1=True)
+        self.l2 = megamoe.transform_weights(self.w2, self.w2_sf, weight_format="fp8", is_l1=False)
+        self.num_local = e // world
+        lo, hi = rank * self.num_local, (rank + 1) * self.num_local
+        self.l1_local = tuple(t[lo:hi].contiguous() for t in self.l1)
+        self.l2_local = tuple(t[lo:hi].contiguous() for t in self.l2)
+        self.device = device
+
+    def batch(self, counts: list[int], seed: int, *, experts=None, masked_fraction: float = 0.0,
+              idx_dtype=torch.int32):
+        """The global batch (identical on every rank): x [sum(counts), H], routing; ``experts`` restricts
+        ids to a range."""
+        total = sum(counts)
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(total, self.hidden, generator=gen).to(self.device, torch.bfloat16)
+        lo, hi = experts if experts is not None else (0, self.num_experts)
+        n = hi - lo
+        k = min(self.top_k, n)
+        idx, w = reference.make_random_routing(total, n, k, masked_fraction=masked_fraction, seed=seed + 1,
+                                               device=self.device, dtype=idx_dtype)
+        idx = torch.where(idx >= 0, idx + lo, idx)
+        if k < self.top_k:  # fewer experts than slots: the rest of the slots are unused
+            pad = torch.full((total, self.top_k - k), -1, dtype=idx.dtype, device=self.device)
+            idx, w = torch.cat([idx, pad], 1), torch.cat([w, torch.zeros_like(pad, dtype=w.dtype)], 1)
+        return x, idx, w
+
+    def ep1(self, x, idx, w) -> torch.Tensor:
+        """The single-GPU result of the global batch (all experts, a plain buffer)."""
+        buf = megamoe.get_symm_buffer(None, self.num_experts, max(x.shape[0], 1), self.top_k, self.hidden,
+                                      self.intermediate, device=self.device)
+        return megamoe.moe(x, idx, w, self.l1, self.l2, buf, check=True)
+
+
+def my_rows(counts: list[int], t: torch.Tensor) -> torch.Tensor:
+    rank = dist.get_rank()
+    start = sum(counts[:rank])
+    return t[start:start + counts[rank]]
+
+
+def check_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    if not torch.equal(got, want):
+        diff = (got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)
+        bad = (got != want).any(-1).nonzero().flatten().tolist()[:8]
+        raise AssertionError(f"rank {dist.get_rank()}: {name}: EP result differs from EP=1 "
+                             f"(rel err {diff.item():.3e}, first differing tokens {bad})")
+
+
+def run_case(layer: Layer, buf, name: str, counts: list[int], seed: int, **batch_kw) -> None:
+    x, idx, w = layer.batch(counts, seed, **batch_kw)
+    want = my_rows(counts, layer.ep1(x, idx, w))
+    got = megamoe.moe(my_rows(counts, x), my_rows(counts, idx), my_rows(counts, w), layer.l1_local,
+                      layer.l2_local, buf, check=True)
+    check_equal(name, got, want)
+
+
+def check_shape(shape: str, device: torch.device, *, stress_calls: int) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    t0 = time.time()
+    layer = Layer(shape, device)
+    cap = 64 if shape == "flash" else 400
+    buf = megamoe.get_symm_buffer(dist.group.WORLD, layer.num_experts, cap, layer.top_k, layer.hidden,
+                                  layer.intermediate, device=device)
+    nl = layer.num_local
+    uneven = [(37 * r + 5) % cap for r in range(world)]
+    uneven[-1] = 0
+    cases = [
+        ("uneven counts, one rank empty", uneven, {}),
+        ("one token per rank", [1] * world, {}),
+        ("full capacity", [cap] * world, {}),
+        ("every token to rank 0's experts", [cap // 2] * world, {"experts": (0, nl)}),
+        ("every token to the last rank's experts", [cap // 3] * world, {"experts": ((world - 1) * nl, world * nl)}),
+        ("masked slots, int64 ids", [(11 * r + 3) % cap for r in range(world)],
+         {"masked_fraction": 0.3, "idx_dtype": torch.int64}),
+        ("no tokens anywhere", [0] * world, {}),
+    ]
+    for i, (name, counts, kw) in enumerate(cases):
+        run_case(layer, buf, name, counts, 100 + i, **kw)
+        log(f"[{shape}] {name} (tokens per rank {counts}): bitwise equal to EP=1")
+
+    # Against the emulating float reference as well (not only against EP=1).
+    counts = [min(cap, 9 + r) for r in range(world)]
+    x, idx, w = layer.batch(counts, 7, masked_fraction=0.2)
+    got = megamoe.moe(my_rows(counts, x), my_rows(counts, idx), my_rows(counts, w), layer.l1_local, layer.l2_local,
+                      buf, check=True)
+    ref = reference.mega_moe(my_rows(counts, x), my_rows(counts, idx), my_rows(counts, w), layer.w13, layer.w2,
+                             w13_sf=layer.w13_sf, w2_sf=layer.w2_sf)
+    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert torch.isfinite(got).all() and err <= 1e-2, f"rank {rank}: EP vs reference rel err {err:.3e}"
+    log(f"[{shape}] vs float reference: rel err {err:.2e} (rank 0)")
+
+    # Repeated calls: the flags of one call never satisfy the next.
+    x, idx, w = layer.batch(uneven, 42)
+    ys = [megamoe.moe(my_rows(uneven, x), my_rows(uneven, idx), my_rows(uneven, w), layer.l1_local, layer.l2_local,
+                      buf) for _ in range(3)]
+    for y in ys[1:]:
+        check_equal("repeated call", y, ys[0])
+    check_equal("repeated call vs EP=1", ys[0], my_rows(uneven, layer.ep1(x, idx, w)))
+    log(f"[{shape}] repeated calls: identical")
+
+    # CUDA graph: capture pre_dispatch + the fused op once, replay with new inputs of the same size.
+    counts = [cap // 2 + r for r in range(world)]
+    t = counts[rank]
+    sx = torch.zeros(t, layer.hidden, dtype=torch.bfloat16, device=device)
+    sidx = torch.full((t, layer.top_k), -1, dtype=torch.int32, device=device)
+    sw = torch.zeros(t, layer.top_k, dtype=torch.float32, device=device)
+    sy = torch.full((t, layer.hidden), float("nan"), dtype=torch.bfloat16, device=device)
+
+    def step():
+        megamoe.pre_dispatch(sx, sidx, sw, buf)
+        megamoe.fp8_mega_moe(sy, layer.l1_local, layer.l2_local, buf)
+
+    step()  # warm-up outside capture
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(3):
+        x, idx, w = layer.batch(counts, 200 + i, masked_fraction=0.1)
+        sx.copy_(my_rows(counts, x)), sidx.copy_(my_rows(counts, idx)), sw.copy_(my_rows(counts, w))
+        sy.fill_(float("nan"))
+        graph.replay()
+        check_equal(f"graph replay {i}", sy, my_rows(counts, layer.ep1(x, idx, w)))
+    buf.check_error()
+    log(f"[{shape}] CUDA graph replay with new inputs: bitwise equal to EP=1")
+
+    # Many consecutive calls with random token counts per rank (all ranks draw the same sequence, so each
+    # knows the global batch); the last one is checked in full, the error word every 100 calls.
+    gen = torch.Generator().manual_seed(99)
+    start = time.time()
+    for it in range(stress_calls):
+        counts = torch.randint(0, cap + 1, (world,), generator=gen).tolist()
+        x, idx, w = layer.batch(counts, 1000 + it)
+        y = megamoe.moe(my_rows(counts, x), my_rows(counts, idx), my_rows(counts, w), layer.l1_local,
+                        layer.l2_local, buf, check=(it % 100 == 99))
+    torch.cuda.synchronize()
+    if stress_calls:
+        check_equal("last stress call", y, my_rows(counts, layer.ep1(x, idx, w)))
+        log(f"[{shape}] {stress_calls} consecutive calls with random counts: no hang, last call exact "
+            f"({time.time() - start:.1f} s)")
+    log(f"[{shape}] done in {time.time() - t0:.1f} s")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="small,flash")
+    parser.add_argument("--stress-calls", type=int, default=1000)
+    args = parser.parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    try:
+        for shape in args.shapes.split(","):
+            check_shape(shape, device, stress_calls=args.stress_calls if shape == "small" else 100)
+        dist.barrier()
+        log(f"EP={world}: all checks passed")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
