@@ -144,7 +144,8 @@ def get_symm_buffer(group, num_experts: int, max_tokens_per_rank: int, top_k: in
         offset = layout["peer_ptrs_offset"]
         ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64)
         buf[offset:offset + 8 * num_ranks].view(torch.int64).copy_(ptrs)
+        # Every rank's table and zeroed buffer are in place before any rank can call an op.
         torch.cuda.synchronize(device)
-        handle.barrier()
+        dist.barrier(group=group)
     return MegaMoEBuffer(buf, num_experts, num_ranks, rank, max_tokens_per_rank, top_k, hidden, intermediate,
                          act_format, group=group, handle=handle)

@@ -13,6 +13,7 @@ or through ``tests/test_ep.py`` (pytest spawns the processes).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 import time
@@ -109,6 +110,8 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int) -> None:
     cap = 64 if shape == "flash" else 400
     buf = megamoe.get_symm_buffer(dist.group.WORLD, layer.num_experts, cap, layer.top_k, layer.hidden,
                                   layer.intermediate, device=device)
+    torch.cuda.synchronize()
+    log(f"[{shape}] layer and buffer ready in {time.time() - t0:.1f} s")
     nl = layer.num_local
     uneven = [(37 * r + 5) % cap for r in range(world)]
     uneven[-1] = 0
@@ -194,7 +197,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="small,flash")
     parser.add_argument("--stress-calls", type=int, default=1000)
+    parser.add_argument("--watchdog-s", type=float, default=280.0,
+                        help="dump every thread's stack and exit if the run takes longer (a hang)")
     args = parser.parse_args(argv)
+    faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
