@@ -105,6 +105,22 @@ class NcclPipeline:
         return y.to(torch.bfloat16)
 
 
+def profile_kernels(fn, what: str, iters: int = 5) -> None:
+    """Per-kernel mean GPU time of `fn` on rank 0 (all ranks run it, in step)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        print(f"  kernels of {what} (mean over {iters} calls):")
+        for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+            if ev.device_time_total > 0:
+                print(f"    {ev.device_time_total / iters:9.1f} us  x{ev.count // iters}  {ev.key[:90]}")
+
+
 def fused_bytes_moved(idx, num_local, rank, token_bytes, hidden):
     """Bytes the fused op moves over NVLink for this rank's tokens (remote in + remote out)."""
     valid = idx >= 0
@@ -118,6 +134,8 @@ def main():
     parser.add_argument("--tokens", default="1,16,128,512,2048,8192")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the fused op's per-kernel GPU times (torch.profiler, rank 0)")
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -156,6 +174,8 @@ def main():
                 megamoe.fp8_mega_moe(y, l1, l2, buf)
 
             us = timed(fused, args.iters)
+            if args.profile:
+                profile_kernels(fused, f"{model} T/rank={t}")
             peer_us = timed(lambda: peer(x, idx, w), args.iters)
             y_peer = peer(x, idx, w)
             fused()
