@@ -176,6 +176,33 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int) -> None:
     buf.check_error()
     log(f"[{shape}] CUDA graph replay with new inputs: bitwise equal to EP=1")
 
+    # The module (DESIGN.md §8) with the EP group: checkpoint shards of every expert offered to each rank's
+    # weight_loader (only local ones are taken), finalize, forward: equal to EP=1 as well.
+    module = megamoe.MegaMoEExperts(
+        megamoe.MegaMoEConfig(max_tokens_per_rank=cap, group=dist.group.WORLD), num_experts=layer.num_experts,
+        num_local_experts=nl, experts_start_idx=rank * nl, top_k=layer.top_k, hidden_size=layer.hidden,
+        intermediate_size=layer.intermediate, prefix=f"ep_cases.{shape}").to(device)
+    taken = 0
+    inter = layer.intermediate
+    for e in range(layer.num_experts):
+        for shard, rows in (("w1", slice(0, inter)), ("w3", slice(inter, 2 * inter))):
+            srows = slice(rows.start // 128, rows.stop // 128)
+            taken += module.weight_loader(module.w13_weight, layer.w13[e, rows], f"experts.{e}.{shard}.weight",
+                                          shard, e, return_success=True)
+            module.weight_loader(module.w13_weight_scale_inv, layer.w13_sf[e, srows], f"experts.{e}.{shard}.scale",
+                                 shard, e)
+        taken += module.weight_loader(module.w2_weight, layer.w2[e], f"experts.{e}.w2.weight", "w2", e,
+                                      return_success=True)
+        module.weight_loader(module.w2_weight_scale_inv, layer.w2_sf[e], f"experts.{e}.w2.scale", "w2", e)
+    assert taken == 3 * nl, f"rank {rank}: weight_loader took {taken} shards, expected {3 * nl}"
+    module.finalize_weights()
+    counts = uneven
+    x, idx, w = layer.batch(counts, 77, masked_fraction=0.1)
+    got = module(my_rows(counts, x), my_rows(counts, w), my_rows(counts, idx).long())
+    check_equal("MegaMoEExperts with the EP group", got, my_rows(counts, layer.ep1(x, idx, w)))
+    log(f"[{shape}] MegaMoEExperts with the EP group: bitwise equal to EP=1")
+    del module
+
     # Many consecutive calls with random token counts per rank (all ranks draw the same sequence, so each
     # knows the global batch); the last one is checked in full, the error word every 100 calls.
     gen = torch.Generator().manual_seed(99)
