@@ -1,11 +1,15 @@
 """Single-GPU fused expert layer vs the hardware floor and vs a peer pipeline, DeepSeek-V4 shapes.
 
-    python benchmarks/bench_moe.py [--models V4-Flash,V4-Pro] [--tokens 1,16,...] [--json out.json] [--plot out.png]
+    python benchmarks/bench_moe.py [--models V4-Flash,V4-Pro] [--tokens 1,16,...] [--formats fp8,mxfp4,nvfp4]
+                                   [--act-formats fp8,fp4] [--json out.json] [--plot out.png]
 
 For each (model, T): megamoe's time (CUDA-graph replay of pre_dispatch + fused op, L2 flushed, median);
 the floor = max(touched experts' weight bytes / copy bandwidth, FLOPs / dense FP8 matmul rate), both
 ceilings measured in this run; and a peer pipeline a user could write today with torch alone (routing by
 argsort, torch._scaled_grouped_mm FP8 with row-wise scales, SwiGLU, index_add), also graph-replayed.
+FP4 rows (MXFP4 / NVFP4 weights, w4a8 and w4a4): the floor counts the kernel layout's bytes per expert
+(0.5 byte per weight plus scale bytes); their peer is this run's FP8 path (same shapes, same routing
+distribution).
 """
 from __future__ import annotations
 
@@ -60,6 +64,34 @@ def make_layer(cfg, gen):
     return l1, l2
 
 
+def make_fp4_layer(cfg, weight_format, gen):
+    """Random FP4 layer (checkpoint layout built expert by expert, then kernel layout)."""
+    from megamoe import formats
+    e, h, i = cfg["num_experts"], cfg["hidden"], cfg["intermediate"]
+
+    def one(n, k, is_l1):
+        w, sf, g = [], [], []
+        for _ in range(e):
+            master = torch.randn(1, n, k, device="cuda", generator=gen) / math.sqrt(k)
+            if weight_format == "mxfp4":
+                q, s_ = formats.quantize_mxfp4(master)
+                gs = None
+            else:
+                q, s_, gs = formats.quantize_nvfp4_weights(master)
+            w.append(q), sf.append(s_), g.append(gs)
+        gsf = torch.cat(g) if weight_format == "nvfp4" else None
+        out = megamoe.transform_weights(torch.cat(w), torch.cat(sf), gsf, weight_format=weight_format, is_l1=is_l1)
+        del w, sf
+        return out
+
+    return one(2 * i, h, True), one(h, i, False)
+
+
+def kernel_bytes_per_expert(l1, l2):
+    """Bytes one expert's kernel-layout weights and scales occupy (what a decode step streams)."""
+    return sum(t[0].numel() * t.element_size() for t in (*l1, *l2) if t is not None and t.dim() > 0)
+
+
 def make_routing(num_tokens, num_experts, top_k, gen):
     scores = torch.rand(num_tokens, num_experts, device="cuda", generator=gen)
     weights, idx = scores.topk(top_k, dim=1)
@@ -105,6 +137,58 @@ class PeerPipeline:
 
 
 # ------------------------------------------------------------------------------------------------
+def run_fp4(models, tokens, ceilings, formats_, act_formats, fp8_rows):
+    """FP4 weights (w4a8, w4a4) vs the floor at 0.5 byte per weight plus scale bytes; the peer is this
+    run's FP8 path on the same shape and routing (FP4 decode should take ~0.55x its time)."""
+    rows = []
+    fp8_us = {(r["model"], r["tokens_per_rank"]): r["us"] for r in fp8_rows}
+    for name in models:
+        cfg = MODELS[name]
+        e, k, h, i = cfg["num_experts"], cfg["top_k"], cfg["hidden"], cfg["intermediate"]
+        for fmt in formats_:
+            gen = torch.Generator(device="cuda")
+            gen.manual_seed(1)
+            l1, l2 = make_fp4_layer(cfg, fmt, gen)
+            expert_bytes = kernel_bytes_per_expert(l1, l2)
+            for act in act_formats:
+                for t in tokens:
+                    rgen = torch.Generator(device="cuda")
+                    rgen.manual_seed(t)  # uniform random routing, as the FP8 rows (same distribution)
+                    x = torch.randn(t, h, device="cuda", generator=rgen).bfloat16()
+                    idx, w = make_routing(t, e, k, rgen)
+                    buf = megamoe.get_symm_buffer(None, e, t, k, h, i, act_format=act)
+                    y = torch.empty_like(x)
+
+                    def ours():
+                        megamoe.pre_dispatch(x, idx, w, buf, weight_format=fmt)
+                        megamoe.fp8_fp4_mega_moe(y, l1, l2, buf, weight_format=fmt)
+
+                    try:
+                        us = bu.time_graph(ours)
+                    except NotImplementedError as err:
+                        print(f"{name} {fmt} act {act}: {str(err).splitlines()[0]}")
+                        break
+                    touched = torch.unique(idx).numel()
+                    nbytes = touched * expert_bytes
+                    flops = 2 * t * k * 3 * i * h
+                    floor_us = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["fp8_flops_per_s"]) * 1e6
+                    peer_us = fp8_us.get((name, t))
+                    rows.append(dict(op="fp8_fp4_mega_moe", format=fmt, act_format=act, model=name, ranks=1,
+                                     tokens_per_rank=t, us=round(us, 2), floor_us=round(floor_us, 2),
+                                     time_over_floor=round(us / floor_us, 3), peer="megamoe fp8_mega_moe",
+                                     peer_us=peer_us, speedup=None if peer_us is None else round(peer_us / us, 3),
+                                     tflops=round(flops / us / 1e6, 1), gbps=round(nbytes / us / 1e3, 1),
+                                     touched_experts=touched))
+                    r = rows[-1]
+                    print(f"{name:9s} {fmt:5s} a{act:3s} T={t:5d} | {us:9.1f} us | floor {floor_us:9.1f} us | "
+                          f"x{r['time_over_floor']:5.2f} | vs fp8 {r['speedup'] or float('nan'):5.2f} | "
+                          f"{r['gbps']:7.1f} GB/s", flush=True)
+                    del buf
+            del l1, l2
+            torch.cuda.empty_cache()
+    return rows
+
+
 def run(models, tokens, ceilings):
     rows = []
     gen = torch.Generator(device="cuda")
@@ -163,13 +247,15 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for model in sorted({r["model"] for r in rows}):
-        rs = [r for r in rows if r["model"] == model]
+    for key in sorted({(r["model"], r["format"], r["act_format"]) for r in rows}):
+        rs = [r for r in rows if (r["model"], r["format"], r["act_format"]) == key]
         ts = [r["tokens_per_rank"] for r in rs]
-        axes[0].plot(ts, [r["time_over_floor"] for r in rs], marker="o", label=f"{model} {rs[0]['format']}")
-        axes[1].plot(ts, [r["speedup"] or float("nan") for r in rs], marker="o", label=model)
+        label = f"{key[0]} {key[1]}" + (f" a{key[2]}" if key[1] != "fp8" else "")
+        axes[0].plot(ts, [r["time_over_floor"] for r in rs], marker="o", label=label)
+        axes[1].plot(ts, [r["speedup"] or float("nan") for r in rs], marker="o", label=label)
     axes[0].set(xscale="log", xlabel="tokens", ylabel="time / floor", title="megamoe vs hardware floor")
-    axes[1].set(xscale="log", xlabel="tokens", ylabel="speedup", title="vs torch._scaled_grouped_mm pipeline")
+    axes[1].set(xscale="log", xlabel="tokens", ylabel="speedup",
+                title="vs peer (FP8: torch._scaled_grouped_mm; FP4: megamoe FP8)")
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend()
@@ -181,13 +267,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="V4-Flash,V4-Pro")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--formats", default="fp8", help="comma list of fp8, mxfp4, nvfp4")
+    ap.add_argument("--act-formats", default="fp8,fp4", help="activation formats of the FP4 rows")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args()
     ceilings = {"copy_bytes_per_s": bu.measure_copy_bandwidth(), "fp8_flops_per_s": bu.measure_fp8_matmul_flops()}
     print(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
           f"FP8 matmul {ceilings['fp8_flops_per_s'] / 1e12:.0f} TFLOP/s")
-    rows = run(args.models.split(","), [int(t) for t in args.tokens.split(",")], ceilings)
+    models, tokens = args.models.split(","), [int(t) for t in args.tokens.split(",")]
+    formats_ = args.formats.split(",")
+    rows = run(models, tokens, ceilings) if "fp8" in formats_ else []
+    fp4 = [f for f in formats_ if f != "fp8"]
+    if fp4:
+        rows += run_fp4(models, tokens, ceilings, fp4, args.act_formats.split(","), rows)
     commit = os.environ.get("MEGAMOE_COMMIT")  # the device copy of the tree carries no .git
     if commit is None:
         try:
