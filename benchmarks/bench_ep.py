@@ -1,7 +1,8 @@
 """Expert-parallel fused layer vs a non-overlapped NCCL pipeline, one process per GPU.
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py \
-        [--models V4-Flash] [--tokens 1,16,128,512,2048,8192] [--json out.json]
+        [--models V4-Flash] [--tokens 1,16,128,512,2048,8192] [--json out.json] [--plot out.png]
+    python benchmarks/bench_ep.py --from-json a.json,b.json --plot out.png      # plot saved results
 
 Per (model, tokens per rank):
 - megamoe: ``pre_dispatch`` + ``fp8_mega_moe`` on a symmetric-memory buffer (dispatch, both GEMMs and the
@@ -128,6 +129,31 @@ def fused_bytes_moved(idx, num_local, rank, token_bytes, hidden):
     return remote * (token_bytes + 2 * hidden)
 
 
+def plot(docs, path):
+    """Speedup vs the NCCL pipeline and time over the floor, per (model, ranks), from result documents."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    rows = [r for d in docs for r in d["rows"]]
+    for key in sorted({(r["model"], r["ranks"]) for r in rows}):
+        rs = sorted((r for r in rows if (r["model"], r["ranks"]) == key), key=lambda r: r["tokens_per_rank"])
+        ts = [r["tokens_per_rank"] for r in rs]
+        label = f"{key[0]} EP={key[1]}"
+        axes[0].plot(ts, [r["speedup"] for r in rs], marker="o", label=label)
+        axes[1].plot(ts, [r["time_over_floor"] for r in rs], marker="o", label=label)
+    axes[0].set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="speedup",
+                title="fused EP op vs NCCL all_to_all pipeline")
+    axes[1].set(xscale="log", xlabel="tokens per rank", ylabel="time / floor", title="fused EP op vs floor")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    gpu = docs[0]["gpu"].replace("NVIDIA ", "")
+    fig.suptitle(f"megamoe expert parallelism, FP8, {gpu}, {docs[0]['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="V4-Flash")
@@ -136,7 +162,12 @@ def main():
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", action="store_true",
                         help="also print the fused op's per-kernel GPU times (torch.profiler, rank 0)")
+    parser.add_argument("--plot", default=None, help="PNG of the results (with --from-json: no GPU run)")
+    parser.add_argument("--from-json", default=None, help="comma list of result files to plot")
     args = parser.parse_args()
+    if args.from_json:
+        plot([json.load(open(p)) for p in args.from_json.split(",")], args.plot)
+        return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
@@ -205,14 +236,17 @@ def main():
                 f"{peer_us / us:7.2f} {gbps:11.1f} {diff:8.1e}")
         del buf, peer, l1, l2
         torch.cuda.empty_cache()
-    if rank == 0 and args.json:
+    if rank == 0:
         commit = os.environ.get("MEGAMOE_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
         doc = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
                    torch=torch.__version__, commit=commit,
                    ceilings=dict(copy_bytes_per_s=copy_bw, fp8_flops=fp8_rate), rows=rows)
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+    if rank == 0 and args.plot:
+        plot([doc], args.plot)
     dist.barrier()
     dist.destroy_process_group()
 
