@@ -13,8 +13,8 @@
 //
 // Split K (decode): with a handful of tokens only ~100 tiles exist and a third of the SMs would idle while
 // each busy SM streams a whole 1 MB weight tile. With k_splits = S > 1 a work unit is (tile, K segment):
-// segments 0..S-2 store their float32 partials (promotion included) to a workspace and count their
-// arrival; segment S-1 waits for them, sums in segment order (deterministic) and runs the epilogue.
+// every segment stores its float32 partial (promotion included) to a workspace, and the last segment to
+// arrive sums the S partials in segment order (deterministic) and runs the epilogue.
 #pragma once
 
 #include <cuda.h>
@@ -189,6 +189,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int quad_row = warp * 16 + lane / 4;          // this thread's first row in a 64-row slice
   int stage = 0;
   uint32_t phase = 0;
+  __shared__ bool split_last;  // this CTA holds the tile's last K segment (split K)
 
   for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
     const int tile = unit / splits, seg = unit % splits;
@@ -251,48 +252,36 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
     // ======================================================================== split-K reduction
     if (splits > 1) {
+      // This segment's partial, laid out so that each register index is one coalesced 512-byte row.
       const int wg_thread = ctid % 128;
-      const int64_t part_floats = 2 * kRegs * 128;  // one consumer's partial of one unit
-      if (seg < splits - 1) {
-        // Not the tile's last segment: leave the partial (each register index one coalesced 512-byte row)
-        // and count the arrival without waiting for anything (release: CUTLASS's generic-barrier pattern).
-        float* mine = p.partials + (int64_t(unit) * 2 + consumer) * part_floats;
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) {
-          mine[i * 128 + wg_thread] = acc0[i];
-          mine[(kRegs + i) * 128 + wg_thread] = acc1[i];
-        }
-        ptx::named_barrier_sync(1, kNumConsumerThreads);
-        if (ctid == 0) ptx::red_release_gpu_add(p.split_counters + tile, 1);
-        continue;
-      }
-      // The last segment waits for the others (they run concurrently on neighbouring CTAs: units of a tile
-      // are consecutive, and a lower unit never waits on a higher one, so the wait cannot deadlock), then
-      // sums in segment order with its own partial last: the same bits on every run.
-      if (ctid == 0) {
-        while (ptx::ld_acquire_gpu(p.split_counters + tile) < splits - 1) {
-        }
-        p.split_counters[tile] = 0;  // every arrival of this launch is in: ready for the next launch
-      }
-      ptx::named_barrier_sync(1, kNumConsumerThreads);
-      const float* first = p.partials + (int64_t(tile) * splits * 2 + consumer) * part_floats;
-      float own0[kRegs], own1[kRegs];
+      float* mine = p.partials + (int64_t(unit) * 2 + consumer) * 2 * kRegs * 128;
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) {
-        own0[i] = acc0[i], own1[i] = acc1[i];
-        acc0[i] = __ldcg(first + i * 128 + wg_thread);
-        acc1[i] = __ldcg(first + (kRegs + i) * 128 + wg_thread);
+        mine[i * 128 + wg_thread] = acc0[i];
+        mine[(kRegs + i) * 128 + wg_thread] = acc1[i];
       }
-      for (int sg = 1; sg < splits - 1; ++sg) {
-        const float* part = first + int64_t(sg) * 2 * part_floats;
+      __threadfence();
+      ptx::named_barrier_sync(1, kNumConsumerThreads);
+      if (ctid == 0) {
+        const bool last = atomicAdd(p.split_counters + tile, 1) == splits - 1;
+        if (last) p.split_counters[tile] = 0;  // ready for the next launch
+        split_last = last;
+      }
+      ptx::named_barrier_sync(1, kNumConsumerThreads);
+      if (!split_last) continue;
+      __threadfence();
+      // Sum of every segment's partial in segment order: the same bits whichever segment came last.
+      const float* first = p.partials + (int64_t(tile) * splits * 2 + consumer) * 2 * kRegs * 128;
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
+      for (int sg = 0; sg < splits; ++sg) {
+        const float* part = first + int64_t(sg) * 2 * 2 * kRegs * 128;
 #pragma unroll
         for (int i = 0; i < kRegs; ++i) {
           acc0[i] += __ldcg(part + i * 128 + wg_thread);
           acc1[i] += __ldcg(part + (kRegs + i) * 128 + wg_thread);
         }
       }
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc0[i] += own0[i], acc1[i] += own1[i];
     }
 
     // ======================================================================== epilogue
