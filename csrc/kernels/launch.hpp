@@ -41,13 +41,7 @@ struct GroupedGemmArgs {
   bool is_l1;                // L1: SwiGLU + FP8 requant into the pool; L2: bf16 rows into combine
   float activation_clamp;    // < 0: no clamp
   bool fast_math;
-  int k_splits = 1;          // > 1: split K over that many segments (decode; block_m 16 only)
-  float* partials = nullptr; // split-K workspace: partials_floats(block_m, k_splits) floats
 };
-// Floats of the split-K workspace a launch with (block_m, k_splits) needs.
-inline int64_t partials_floats(int block_m, int k_splits) {
-  return layout::kMaxSplitTiles * k_splits * 2 * 2 * (block_m / 2) * 128;
-}
 // 2D tensor map over a row-major byte matrix [outer, inner], 128-byte swizzled boxes {box_inner, box_outer}.
 CUtensorMap make_tensor_map_2d(const void* base, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
                                uint32_t box_inner, uint32_t box_outer);

@@ -39,9 +39,6 @@ void launch_fp8_grouped_gemm(const GroupedGemmArgs& args, uint8_t* buffer, const
   p.k = args.k;
   p.activation_clamp = args.activation_clamp;
   p.fast_math = args.fast_math;
-  p.k_splits = args.partials != nullptr ? args.k_splits : 1;
-  p.partials = args.partials;
-  p.split_counters = reinterpret_cast<int*>(buffer + layout.split_counters_offset);
 #define MEGAMOE_LAUNCH_BLOCK_M(BM)                                              \
   case BM:                                                                      \
     if (args.is_l1) launch_config<BM, true>(args, p, num_sms, stream);          \

@@ -10,11 +10,6 @@
 // acc += partial * weight_scale(64-row chunk, k block) * token_scale(token, k block) in float32.
 // NOTES: promoting once per scale block (as DeepGEMM does) also bounds the error of Hopper's
 // reduced-precision FP8 accumulation (~14 bits after alignment, DeepSeek-V3 report).
-//
-// Split K (decode): with a handful of tokens only ~100 tiles exist and a third of the SMs would idle while
-// each busy SM streams a whole 1 MB weight tile. With k_splits = S > 1 a work unit is (tile, K segment):
-// every segment stores its float32 partial (promotion included) to a workspace, and the last segment to
-// arrive sums the S partials in segment order (deterministic) and runs the epilogue.
 #pragma once
 
 #include <cuda.h>
@@ -40,17 +35,7 @@ struct GemmParams {
   int n, k;
   float activation_clamp;  // < 0: none
   bool fast_math;
-  int k_splits;            // K segments per tile (1: no split)
-  float* partials;         // [kMaxSplitTiles * k_splits][2 consumers][2 slices][regs][128 threads]
-  int* split_counters;     // [kMaxSplitTiles] arrivals per tile (buffer region); zero between launches
 };
-
-using layout::kMaxSplitTiles;
-
-// K blocks [begin, end) of segment `seg` of `splits`.
-__device__ __forceinline__ int2 segment_kblocks(int num_kblocks, int splits, int seg) {
-  return make_int2(seg * num_kblocks / splits, (seg + 1) * num_kblocks / splits);
-}
 
 template <int kBlockM, int kNumStages, bool kIsL1>
 struct GemmSmem {
@@ -122,9 +107,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // predecessor allows the launch only after its own dependency wait, which follows the routing kernel.
   // Reads bypass L1 (__ldcg) so no line cached by an earlier kernel on this SM can be stale.
   const int num_tiles = __ldcg(tile_offset + num_experts) * num_nblocks;
-  // Decided from device values identically by every thread of every CTA.
-  const int splits = p.k_splits > 1 && num_tiles <= kMaxSplitTiles ? min(p.k_splits, num_kblocks) : 1;
-  const int num_units = num_tiles * splits;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
@@ -155,11 +137,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       };
       int stage = 0;
       uint32_t phase = 0;
-      for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
-        const TileInfo t = decode_tile(unit / splits, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
         const int weight_row = t.expert * p.n + t.n_block * kBlockN;
-        const int2 kbs = segment_kblocks(num_kblocks, splits, unit % splits);
-        for (int kb = kbs.x; kb < kbs.y; ++kb) {
+        for (int kb = 0; kb < num_kblocks; ++kb) {
           if (!waited && issued == kNumStages) finish_wait();
           ptx::mbarrier_wait(&empty[stage], phase ^ 1);
           ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + Smem::kTileB);
@@ -189,12 +170,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int quad_row = warp * 16 + lane / 4;          // this thread's first row in a 64-row slice
   int stage = 0;
   uint32_t phase = 0;
-  __shared__ bool split_last;  // this CTA holds the tile's last K segment (split K)
 
-  for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
-    const int tile = unit / splits, seg = unit % splits;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
-    const int2 kbs = segment_kblocks(num_kblocks, splits, seg);
     // Weight scales: one per (64-row chunk, K block); this consumer's two chunks are adjacent.
     const int chunk = (t.expert * p.n + t.n_block * kBlockN + consumer * 128) / 64;
     const float* wsf = p.weights_sf + int64_t(chunk) * num_kblocks;
@@ -207,7 +185,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
 
-    for (int kb = kbs.x; kb < kbs.y; ++kb) {
+    for (int kb = 0; kb < num_kblocks; ++kb) {
       // Scales are loaded before waiting on the stage so their latency hides behind the TMA wait.
       const float ws0 = valid0 ? __ldg(wsf + kb) : 0.0f, ws1 = valid1 ? __ldg(wsf + num_kblocks + kb) : 0.0f;
       // Token scales of this thread's columns (rows past the pool end read as 0; never stored).
@@ -247,40 +225,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const float s = col_sf[(i / 4) * 2 + (i % 2)];
         acc0[i] += part0[i] * (ws0 * s);
         acc1[i] += part1[i] * (ws1 * s);
-      }
-    }
-
-    // ======================================================================== split-K reduction
-    if (splits > 1) {
-      // This segment's partial, laid out so that each register index is one coalesced 512-byte row.
-      const int wg_thread = ctid % 128;
-      float* mine = p.partials + (int64_t(unit) * 2 + consumer) * 2 * kRegs * 128;
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) {
-        mine[i * 128 + wg_thread] = acc0[i];
-        mine[(kRegs + i) * 128 + wg_thread] = acc1[i];
-      }
-      __threadfence();
-      ptx::named_barrier_sync(1, kNumConsumerThreads);
-      if (ctid == 0) {
-        const bool last = atomicAdd(p.split_counters + tile, 1) == splits - 1;
-        if (last) p.split_counters[tile] = 0;  // ready for the next launch
-        split_last = last;
-      }
-      ptx::named_barrier_sync(1, kNumConsumerThreads);
-      if (!split_last) continue;
-      __threadfence();
-      // Sum of every segment's partial in segment order: the same bits whichever segment came last.
-      const float* first = p.partials + (int64_t(tile) * splits * 2 + consumer) * 2 * kRegs * 128;
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
-      for (int sg = 0; sg < splits; ++sg) {
-        const float* part = first + int64_t(sg) * 2 * 2 * kRegs * 128;
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) {
-          acc0[i] += __ldcg(part + i * 128 + wg_thread);
-          acc1[i] += __ldcg(part + (kRegs + i) * 128 + wg_thread);
-        }
       }
     }
 

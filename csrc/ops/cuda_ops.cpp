@@ -62,12 +62,6 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
   g1.is_l1 = true;
   g1.activation_clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
   g1.fast_math = fast_math;
-  at::Tensor partials;  // split-K workspace (decode), from the caching allocator (graph-safe)
-  if (cfg.k_splits > 1) {
-    partials = at::empty({kernels::partials_floats(cfg.block_m, cfg.k_splits)}, y.options().dtype(at::kFloat));
-    g1.k_splits = cfg.k_splits;
-    g1.partials = partials.data_ptr<float>();
-  }
   kernels::launch_fp8_grouped_gemm(g1, buf, l, cfg.block_m, sms, stream);
 
   // ---- L2: pool x w2 -> bf16 rows in the combine area

@@ -25,8 +25,6 @@ enum ErrorCode : int32_t {
 
 constexpr int64_t kAlignment = 128;  // every region starts on a 128-byte boundary (TMA needs 16)
 constexpr int64_t kNumErrorWords = 4;
-// Split-K GEMM launches (decode) split at most this many tiles; more tiles fill the GPU unsplit.
-constexpr int64_t kMaxSplitTiles = 512;
 
 MEGAMOE_HOST_DEVICE int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
@@ -52,7 +50,6 @@ struct BufferLayout {
   int64_t tile_offset_offset = 0;    // int32 [num_local_experts + 1]: cumulative token blocks per expert
   int64_t peer_ptrs_offset = 0;      // int64 [num_ranks]: every rank's buffer address (get_symm_buffer)
   int64_t signal_offset = 0;         // uint32 [2 phases][num_ranks] written by peers, then the call epoch
-  int64_t split_counters_offset = 0; // int32 [kMaxSplitTiles]: split-K arrivals per tile (zero at rest)
   int64_t x_offset = 0;              // uint8 [max_tokens_per_rank, token_bytes]
   int64_t x_sf_offset = 0;           // uint8 [max_tokens_per_rank, token_sf_bytes]
   int64_t x_global_sf_offset = 0;    // float32 [max_tokens_per_rank] (NVFP4 activations only)
@@ -105,7 +102,6 @@ struct BufferLayout {
     l.tile_offset_offset = take((l.num_local_experts + 1) * 4);
     l.peer_ptrs_offset = take(num_ranks * 8);
     l.signal_offset = take((2 * num_ranks + 1) * 4);
-    l.split_counters_offset = take(kMaxSplitTiles * 4);
     l.x_offset = take(max_tokens_per_rank * l.token_bytes);
     l.x_sf_offset = take(max_tokens_per_rank * l.token_sf_bytes);
     l.x_global_sf_offset = take(max_tokens_per_rank * 4);
@@ -128,8 +124,7 @@ struct BufferLayout {
 // Order of the fields returned by the `get_buffer_layout` op (megamoe/buffer.py reads them by name).
 #define MEGAMOE_BUFFER_LAYOUT_FIELDS(X)                                                        \
   X(total_bytes) X(error_offset) X(num_tokens_offset) X(expert_count_offset)                  \
-  X(expert_offset_offset) X(tile_offset_offset) X(peer_ptrs_offset) X(signal_offset) X(split_counters_offset) \
-  X(x_offset)                                                                                  \
+  X(expert_offset_offset) X(tile_offset_offset) X(peer_ptrs_offset) X(signal_offset) X(x_offset) \
   X(x_sf_offset) X(x_global_sf_offset) X(topk_idx_offset) X(topk_weights_offset)              \
   X(pool_src_offset) X(dispatch_x_offset) X(dispatch_sf_offset) X(dispatch_global_sf_offset)  \
   X(dispatch_weight_offset) X(pool_offset) X(pool_sf_offset) X(pool_global_sf_offset)                \
