@@ -16,9 +16,9 @@ Life cycle::
 Decisions:
 
 - Parameters hold the checkpoint layout of the weight format, one row block per local physical expert slot
-  (names below). ``finalize_weights`` transforms them with :func:`megamoe.transform_weights` (L1 first, then
-  its checkpoint tensors are dropped, then L2), keeps the results as non-persistent buffers and sets the
-  parameters to None.
+  (names below). ``finalize_weights`` transforms them with :func:`megamoe.transform_weights` expert by
+  expert, in place for the weights (peak memory ~ the checkpoint's size), keeps the results as
+  non-persistent buffers and sets the parameters to None.
 - Redundant experts: physical slot ``p`` (global index ``experts_start_idx + p``) holds logical expert
   ``(experts_start_idx + p) % num_logical_experts`` (vLLM's initial EPLB placement), so one checkpoint expert
   fills every slot that replicates it.
@@ -373,8 +373,11 @@ class MegaMoEExperts(nn.Module):
     def finalize_weights(self) -> None:
         """Checkpoint layout -> kernel layout (once; later calls return at once).
 
-        L1 is transformed and its checkpoint parameters dropped before L2 is transformed, so the peak is
-        the checkpoint tensors plus one transformed projection. Afterwards the parameters are None and the
+        Expert by expert and in place: each expert's weights are transformed into a temporary and copied
+        back into the checkpoint parameter's own storage (the kernel layout of a weight tensor has the same
+        dtype and bytes per expert: a row permutation), which then becomes the kernel buffer. Only the
+        scale tensors (a few percent of the bytes) are allocated anew, so peak memory stays at the
+        checkpoint's size plus the new scales plus one expert. Afterwards the parameters are None and the
         kernel tensors are the non-persistent buffers ``w13_kernel*`` / ``w2_kernel*``. Also allocates the
         shared buffer (:meth:`get_symm_buffer`; collective with several EP ranks), so call it on every rank
         at load time, and before ``torch.compile`` traces :meth:`forward`.
@@ -390,14 +393,26 @@ class MegaMoEExperts(nn.Module):
             g = None
             if f == "nvfp4":
                 g = global_l1 if is_l1 else self.w2_weight_scale_2.data.contiguous()
-            kw, ksf, kg = transform_weights(w, sf, g, weight_format=f, is_l1=is_l1)
-            del w, sf, g
+            ksf = kg = None
+            for e in range(self.num_local_experts):
+                kw_e, ksf_e, kg_e = transform_weights(w[e:e + 1], sf[e:e + 1], None if g is None else g[e:e + 1],
+                                                      weight_format=f, is_l1=is_l1)
+                if kw_e.dtype != w.dtype or kw_e.shape != w[e:e + 1].shape:
+                    raise AssertionError(f"{proj}: kernel layout {kw_e.dtype}{tuple(kw_e.shape)} does not fit the "
+                                         f"checkpoint storage {w.dtype}{tuple(w[e:e + 1].shape)}")
+                if ksf is None:
+                    ksf = torch.empty((self.num_local_experts, *ksf_e.shape[1:]), dtype=ksf_e.dtype, device=w.device)
+                    kg = torch.empty((self.num_local_experts, *kg_e.shape[1:]), dtype=kg_e.dtype, device=w.device)
+                w[e:e + 1].copy_(kw_e)
+                ksf[e:e + 1].copy_(ksf_e)
+                kg[e:e + 1].copy_(kg_e)
+                del kw_e, ksf_e, kg_e
             for name in [n for n in self._ckpt_params if n.startswith(f"{proj}_")]:
-                setattr(self, name, None)  # frees the checkpoint tensor (no other reference is kept)
-            setattr(self, f"{proj}_kernel", kw)
+                setattr(self, name, None)  # drops the parameter; its weight storage lives on as the kernel buffer
+            setattr(self, f"{proj}_kernel", w)
             setattr(self, f"{proj}_kernel_sf", ksf)
             setattr(self, f"{proj}_kernel_global_sf", kg)
-            del kw, ksf, kg
+            del w, sf, g, ksf, kg
         self._loaded_shards.clear()
         self._finalized = True
         # Allocate the buffer now, at load, not in the first forward: with several EP ranks the allocation

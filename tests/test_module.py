@@ -133,6 +133,26 @@ def test_load_finalize_forward_matches_moe_and_reference(combo):
     assert not torch.equal(y_clamp, y)
 
 
+@pytest.mark.parametrize("weight_format", ["fp8", "mxfp4", "nvfp4"])
+def test_finalize_in_place_equals_whole_transform(weight_format):
+    """finalize_weights transforms expert by expert into the checkpoint storage: the kernel tensors are
+    bit-identical to transform_weights of the whole layer, and the weight buffers reuse the parameters'
+    storage (no second copy of the weights at any time)."""
+    layer = random_layer(E, H, I, weight_format)
+    m = make_module(weight_format)
+    load_layer(m, layer, weight_format, range(E))
+    ptrs = (m.w13_weight.data_ptr(), m.w2_weight.data_ptr())
+    m.finalize_weights()
+    for proj, is_l1 in (("w13", True), ("w2", False)):
+        want = megamoe.transform_weights(layer[proj], layer[f"{proj}_sf"], layer[f"{proj}_global_sf"],
+                                         weight_format=weight_format, is_l1=is_l1)
+        got = (getattr(m, f"{proj}_kernel"), getattr(m, f"{proj}_kernel_sf"), getattr(m, f"{proj}_kernel_global_sf"))
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+    assert (m.w13_kernel.data_ptr(), m.w2_kernel.data_ptr()) == ptrs
+
+
 def test_param_layouts_and_attributes():
     shapes = {
         "fp8": {"w13_weight": ((E, 2 * I, H), torch.float8_e4m3fn),
