@@ -1,7 +1,9 @@
-"""Demo: one DeepSeek-V4-Flash-shaped expert layer (random FP8 weights) through megamoe.
+"""Demo: one DeepSeek-V4-Flash-shaped expert layer (random FP8 weights) through megamoe.MegaMoEExperts.
 
     python -m megamoe.demo
 
+The layer is built as a serving engine would: the module is constructed, every expert's checkpoint tensors
+go through ``weight_loader``, ``finalize_weights`` converts them to the kernel layout, then ``forward``.
 On a GPU: 256 experts, top-6, H=4096, I=2048, 128 tokens, the fused sm90 kernels; the reference (float32)
 is evaluated on a sample of tokens. Without a GPU: a reduced layer (16 experts, H=512, I=256) on the CPU
 ops, every weight format. Prints the error vs the emulating reference and the time per call.
@@ -43,21 +45,25 @@ def _rel_err(a, b):
 
 def run_layer(layer, weight_format, act_format, num_experts, top_k, hidden, intermediate, num_tokens, device,
               sample=None):
-    l1 = megamoe.transform_weights(layer["w13"], layer["w13_sf"], layer["w13_global_sf"],
-                                   weight_format=weight_format, is_l1=True)
-    l2 = megamoe.transform_weights(layer["w2"], layer["w2_sf"], layer["w2_global_sf"],
-                                   weight_format=weight_format, is_l1=False)
-    buf = megamoe.get_symm_buffer(None, num_experts, num_tokens, top_k, hidden, intermediate,
-                                  act_format=act_format, device=device)
+    experts = megamoe.MegaMoEExperts(
+        megamoe.MegaMoEConfig(max_tokens_per_rank=num_tokens, weight_format=weight_format, act_format=act_format,
+                              device=device),
+        num_experts=num_experts, num_local_experts=num_experts, experts_start_idx=0, top_k=top_k,
+        hidden_size=hidden, intermediate_size=intermediate)
+    for e in range(num_experts):
+        for name, shard, tensor in reference.checkpoint_shards(layer, weight_format, e):
+            param = getattr(experts, name)
+            param.weight_loader(param, tensor, f"experts.{e}.{shard}.{name}", shard, e)
+    experts.finalize_weights()
     idx, w = reference.make_random_routing(num_tokens, num_experts, top_k, seed=1, device=device)
     x = torch.randn(num_tokens, hidden, device=device).bfloat16()
-    y = megamoe.moe(x, idx, w, l1, l2, buf, weight_format=weight_format)
+    y = experts(x, w, idx)
     rows = torch.arange(num_tokens, device=device) if sample is None else torch.randperm(num_tokens, device=device)[:sample]
     ref = reference.mega_moe(x[rows], idx[rows], w[rows], layer["w13"], layer["w2"], weight_format=weight_format,
                              act_format=act_format, w13_sf=layer["w13_sf"], w2_sf=layer["w2_sf"],
                              w13_global_sf=layer["w13_global_sf"], w2_global_sf=layer["w2_global_sf"])
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    us = _time_us(lambda: megamoe.moe(x, idx, w, l1, l2, buf, weight_format=weight_format), sync)
+    us = _time_us(lambda: experts(x, w, idx), sync)
     return _rel_err(y[rows], ref), us
 
 

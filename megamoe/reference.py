@@ -301,6 +301,30 @@ def make_random_layer(num_experts: int, hidden: int, intermediate: int, weight_f
     return layer
 
 
+def checkpoint_shards(layer: dict, weight_format: str, expert: int) -> list:
+    """One expert's tensors as a checkpoint stores them, for ``MegaMoEExperts.weight_loader``:
+    ``(parameter name, shard id, tensor)`` for w1, w3 (halves of ``w13``) and w2 with their scales (and, for
+    nvfp4, ``weight_scale_2`` and an ``input_scale`` of 1). ``layer`` is :func:`make_random_layer`'s dict."""
+    inter = layer["w2"].shape[-1] * (1 if weight_format == "fp8" else 2)
+    rows = inter // 128 if weight_format == "fp8" else inter  # scale rows of one shard
+    scale = "weight_scale_inv" if weight_format == "fp8" else "weight_scale"
+    e = expert
+    out = []
+    for shard, sl, srows in (("w1", slice(0, inter), slice(0, rows)), ("w3", slice(inter, 2 * inter),
+                                                                       slice(rows, 2 * rows))):
+        out.append(("w13_weight", shard, layer["w13"][e, sl]))
+        out.append((f"w13_{scale}", shard, layer["w13_sf"][e, srows]))
+        if weight_format == "nvfp4":
+            out.append(("w13_weight_scale_2", shard, layer["w13_global_sf"][e].reshape(())))
+            out.append(("w13_input_scale", shard, torch.tensor(1.0)))
+    out.append(("w2_weight", "w2", layer["w2"][e]))
+    out.append((f"w2_{scale}", "w2", layer["w2_sf"][e]))
+    if weight_format == "nvfp4":
+        out.append(("w2_weight_scale_2", "w2", layer["w2_global_sf"][e].reshape(1)))
+        out.append(("w2_input_scale", "w2", torch.tensor([1.0])))
+    return out
+
+
 def make_random_routing(num_tokens: int, num_experts: int, top_k: int, *, masked_fraction: float = 0.0,
                         seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
                         device: Union[str, torch.device] = "cpu",

@@ -39,21 +39,7 @@ def make_module(weight_format, act_format="fp8", *, num_experts=E, num_local=Non
 
 def expert_shards(layer, weight_format, e):
     """(param name, shard id, checkpoint tensor) of logical expert e, as a checkpoint stores them."""
-    rows = I // 128 if weight_format == "fp8" else I
-    scale = SCALE[weight_format]
-    out = []
-    for shard, sl, srows in (("w1", slice(0, I), slice(0, rows)), ("w3", slice(I, 2 * I), slice(rows, 2 * rows))):
-        out.append(("w13_weight", shard, layer["w13"][e, sl]))
-        out.append((f"w13_{scale}", shard, layer["w13_sf"][e, srows]))
-        if weight_format == "nvfp4":
-            out.append(("w13_weight_scale_2", shard, layer["w13_global_sf"][e].reshape(())))
-            out.append(("w13_input_scale", shard, torch.tensor(1.0)))
-    out.append(("w2_weight", "w2", layer["w2"][e]))
-    out.append((f"w2_{scale}", "w2", layer["w2_sf"][e]))
-    if weight_format == "nvfp4":
-        out.append(("w2_weight_scale_2", "w2", layer["w2_global_sf"][e].reshape(1)))
-        out.append(("w2_input_scale", "w2", torch.tensor([1.0])))
-    return out
+    return reference.checkpoint_shards(layer, weight_format, e)
 
 
 def load_layer(module, layer, weight_format, experts, *, seed=0):
