@@ -68,7 +68,8 @@ def direct_moe(layer, weight_format, act_format, x, ids, weights, *, num_experts
                                    weight_format=weight_format, is_l1=True)
     l2 = megamoe.transform_weights(layer["w2"], layer["w2_sf"], layer["w2_global_sf"],
                                    weight_format=weight_format, is_l1=False)
-    buf = megamoe.get_symm_buffer(None, num_experts, MAX_T, ids.shape[1], H, I, act_format=act_format)
+    buf = megamoe.get_symm_buffer(None, num_experts, MAX_T, ids.shape[1], H, I, act_format=act_format,
+                                  device=x.device)
     return megamoe.moe(x, ids, weights, l1, l2, buf, weight_format=weight_format, **kwargs)
 
 
