@@ -558,8 +558,11 @@ class MegaMoEExperts(nn.Module):
                      fast_math: bool = True) -> None:
         """:meth:`forward` writing into ``out`` (bf16 contiguous ``[T, H]``)."""
         self._check_num_tokens(hidden_states)
-        self.finalize_weights()  # covers dummy weight loading (vLLM calls it again from forward)
+        self._run(out, hidden_states, topk_weights, topk_ids, activation_clamp, fast_math)
+
+    def _run(self, out, hidden_states, topk_weights, topk_ids, activation_clamp, fast_math) -> None:
         if self._op_args is None:
+            self.finalize_weights()  # covers dummy weight loading (vLLM calls it again from forward)
             self._prepare_op_args()
         if self.logical_to_physical_map is not None:
             topk_ids = self._map_to_physical(topk_ids)
@@ -603,9 +606,8 @@ class MegaMoEExperts(nn.Module):
             bf16 ``[T, H]``. Finalizes the weights first if that has not happened.
         """
         self._check_num_tokens(hidden_states)
-        out = torch.empty(hidden_states.shape, dtype=torch.bfloat16, device=hidden_states.device)
-        self.forward_into(out, hidden_states, topk_weights, topk_ids, activation_clamp=activation_clamp,
-                          fast_math=fast_math)
+        out = torch.empty_like(hidden_states, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
+        self._run(out, hidden_states, topk_weights, topk_ids, activation_clamp, fast_math)
         return out
 
     def extra_repr(self) -> str:
