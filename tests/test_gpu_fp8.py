@@ -118,6 +118,21 @@ def test_bad_expert_id_skipped_and_reported():
         run_poisoned(case, check=True)
 
 
+def test_multi_rank_buffer_without_peer_table_is_refused():
+    """A buffer sized for 2 ranks but not made by get_symm_buffer (no peer table): the kernels trust no
+    address in it, route nothing (y = 0, no cross-rank wait) and report it in the error word."""
+    case = make_case(8, 256, 384, 3, 12, device="cuda", seed=12)
+    layout = megamoe.buffer.buffer_layout(8, 2, 12, 3, 256, 384, "fp8")
+    buf = megamoe.MegaMoEBuffer(torch.zeros(layout["total_bytes"], dtype=torch.uint8, device="cuda"), 8, 2, 0,
+                                12, 3, 256, 384, "fp8")
+    half = tuple(t[:4].contiguous() for t in case.l1), tuple(t[:4].contiguous() for t in case.l2)
+    megamoe.pre_dispatch(case.x, case.topk_idx, case.topk_weights, buf)
+    y = torch.full_like(case.x, float("nan"))
+    with pytest.raises(RuntimeError, match="peer table"):
+        megamoe.fp8_mega_moe(y, half[0], half[1], buf, check=True)
+    assert torch.equal(y, torch.zeros_like(y))
+
+
 def test_capacity_larger_than_tokens():
     case = make_case(8, 256, 384, 3, 33, device="cuda", max_tokens=1000, seed=10)
     assert rel_err(run_poisoned(case), case.ref) <= TOL
