@@ -17,7 +17,7 @@ Decisions:
 
 - Parameters hold the checkpoint layout of the weight format, one row block per local physical expert slot
   (names below). ``finalize_weights`` transforms them with :func:`megamoe.transform_weights` expert by
-  expert, in place for the weights (peak memory ~ the checkpoint's size), keeps the results as
+  expert, in place for the weights and FP4 scales (peak memory ~ the checkpoint's size), keeps the results as
   non-persistent buffers and sets the parameters to None.
 - Redundant experts: physical slot ``p`` (global index ``experts_start_idx + p``) holds logical expert
   ``(experts_start_idx + p) % num_logical_experts`` (vLLM's initial EPLB placement), so one checkpoint expert
@@ -125,6 +125,16 @@ def _as_uint8_bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
+def _reusable_or_new(checkpoint: Optional[torch.Tensor], kernel_slice: torch.Tensor, num: int) -> torch.Tensor:
+    """Where finalize writes the kernel layout of ``num`` experts whose first slice is ``kernel_slice``: the
+    checkpoint tensor itself when it has the same dtype and per-expert shape (no second copy of the bytes
+    is ever held), else a new tensor."""
+    if (checkpoint is not None and checkpoint.is_contiguous() and checkpoint.dtype == kernel_slice.dtype
+            and checkpoint.shape[1:] == kernel_slice.shape[1:] and checkpoint.shape[0] == num):
+        return checkpoint
+    return torch.empty((num, *kernel_slice.shape[1:]), dtype=kernel_slice.dtype, device=kernel_slice.device)
+
+
 class MegaMoEExperts(nn.Module):
     """Routed experts of one MoE layer on this rank, through megamoe's fused ops.
 
@@ -221,7 +231,7 @@ class MegaMoEExperts(nn.Module):
         self._loaded_shards: set = set()
         self._finalized = False
         self._symm_buffer: Optional[MegaMoEBuffer] = None
-        self._op_args: Optional[tuple] = None  # (pre_dispatch args, fused-op args) once finalized
+        self._op_args: Optional[tuple] = None  # (pre_dispatch, fused op, their fixed arguments) once used
         self._checked = False
         if prefix:
             _register_layer(prefix, self)
@@ -375,46 +385,44 @@ class MegaMoEExperts(nn.Module):
     def finalize_weights(self) -> None:
         """Checkpoint layout -> kernel layout (once; later calls return at once).
 
-        Expert by expert and in place: each expert's weights are transformed into a temporary and copied
-        back into the checkpoint parameter's own storage (the kernel layout of a weight tensor has the same
-        dtype and bytes per expert: a row permutation), which then becomes the kernel buffer. Only the
-        scale tensors (a few percent of the bytes) are allocated anew, so peak memory stays at the
-        checkpoint's size plus the new scales plus one expert. Afterwards the parameters are None and the
-        kernel tensors are the non-persistent buffers ``w13_kernel*`` / ``w2_kernel*``. Also allocates the
-        shared buffer (:meth:`get_symm_buffer`; collective with several EP ranks), so call it on every rank
-        at load time, and before ``torch.compile`` traces :meth:`forward`.
+        Expert by expert and in place: each expert's slice is transformed into a temporary and copied back
+        into the checkpoint parameter's own storage wherever the kernel layout has the checkpoint's dtype and
+        shape per expert (weights of every format, FP4 block scales, NVFP4 global scales: a permutation of
+        the same bytes); that storage then becomes the kernel buffer. Only the FP8 block scales (float32
+        [E, N/128, K/128] -> [E, N/64, K/128], under 0.1 % of the bytes) and the all-ones global scales of
+        fp8/mxfp4 are allocated anew, so peak memory stays at the checkpoint's size plus one expert.
+        Results are bit-identical to :func:`megamoe.transform_weights` of the whole layer (the transform is
+        per expert). Afterwards the parameters are None and the kernel tensors are the non-persistent
+        buffers ``w13_kernel*`` / ``w2_kernel*``. Also allocates the shared buffer
+        (:meth:`get_symm_buffer`; collective with several EP ranks), so call it on every rank at load time,
+        and before ``torch.compile`` traces :meth:`forward`.
         """
         if self._finalized:
             return
         f = self.weight_format
         global_l1 = self._nvfp4_l1_global_scale() if f == "nvfp4" else None  # checked before anything changes
         scale = "weight_scale_inv" if f == "fp8" else "weight_scale"
+        num = self.num_local_experts
         for proj, is_l1 in (("w13", True), ("w2", False)):
             w = getattr(self, f"{proj}_weight").data
             sf = getattr(self, f"{proj}_{scale}").data
             g = None
             if f == "nvfp4":
                 g = global_l1 if is_l1 else self.w2_weight_scale_2.data.contiguous()
-            ksf = kg = None
-            for e in range(self.num_local_experts):
-                kw_e, ksf_e, kg_e = transform_weights(w[e:e + 1], sf[e:e + 1], None if g is None else g[e:e + 1],
-                                                      weight_format=f, is_l1=is_l1)
-                if kw_e.dtype != w.dtype or kw_e.shape != w[e:e + 1].shape:
-                    raise AssertionError(f"{proj}: kernel layout {kw_e.dtype}{tuple(kw_e.shape)} does not fit the "
-                                         f"checkpoint storage {w.dtype}{tuple(w[e:e + 1].shape)}")
-                if ksf is None:
-                    ksf = torch.empty((self.num_local_experts, *ksf_e.shape[1:]), dtype=ksf_e.dtype, device=w.device)
-                    kg = torch.empty((self.num_local_experts, *kg_e.shape[1:]), dtype=kg_e.dtype, device=w.device)
-                w[e:e + 1].copy_(kw_e)
-                ksf[e:e + 1].copy_(ksf_e)
-                kg[e:e + 1].copy_(kg_e)
-                del kw_e, ksf_e, kg_e
+            kernel = None  # (weights, scales, global scales) in kernel layout, filled expert by expert
+            for e in range(num):
+                got = transform_weights(w[e:e + 1], sf[e:e + 1], None if g is None else g[e:e + 1],
+                                        weight_format=f, is_l1=is_l1)
+                if kernel is None:
+                    kernel = tuple(_reusable_or_new(src, t, num) for src, t in zip((w, sf, g), got))
+                for dst, t in zip(kernel, got):
+                    dst[e:e + 1].copy_(t)  # slice e of an in-place destination was read above, never again
+                del got
             for name in [n for n in self._ckpt_params if n.startswith(f"{proj}_")]:
-                setattr(self, name, None)  # drops the parameter; its weight storage lives on as the kernel buffer
-            setattr(self, f"{proj}_kernel", w)
-            setattr(self, f"{proj}_kernel_sf", ksf)
-            setattr(self, f"{proj}_kernel_global_sf", kg)
-            del w, sf, g, ksf, kg
+                setattr(self, name, None)  # drops the parameters; reused storage lives on as kernel buffers
+            for suffix, t in zip(("", "_sf", "_global_sf"), kernel):
+                setattr(self, f"{proj}_kernel{suffix}", t)
+            del w, sf, g, kernel
         self._loaded_shards.clear()
         self._finalized = True
         # Allocate the buffer now, at load, not in the first forward: with several EP ranks the allocation
@@ -567,28 +575,28 @@ class MegaMoEExperts(nn.Module):
         if self.logical_to_physical_map is not None:
             topk_ids = self._map_to_physical(topk_ids)
         recv_stats = self._recv_stats()
-        # NOTES: the ops are called directly with arguments fixed at the first call (the checks of the
-        # Python wrappers in megamoe.api are static for a finalized layer): a decode step pays only the two
-        # op dispatches (benchmarks/bench_module.py measures the difference to the raw ops).
-        buffer_args, fixed = self._op_args
-        ops = torch.ops.megamoe
-        ops.pre_dispatch(hidden_states, topk_ids, topk_weights, *buffer_args)
-        if self.weight_format == "fp8":
-            ops.fp8_mega_moe(out, *fixed, activation_clamp, fast_math, recv_stats)
-        else:
-            ops.fp8_fp4_mega_moe(out, *fixed, activation_clamp, fast_math, recv_stats)
+        # NOTES: the ops are called directly (their resolved overloads: no per-call overload lookup) with
+        # arguments fixed at the first call (the checks of the Python wrappers in megamoe.api are static for
+        # a finalized layer): a decode step pays only the two op dispatches (benchmarks/bench_module.py
+        # measures the difference to the raw ops).
+        pre_dispatch, fused, buffer_args, fixed = self._op_args
+        pre_dispatch(hidden_states, topk_ids, topk_weights, *buffer_args)
+        fused(out, *fixed, activation_clamp, fast_math, recv_stats)
         if self._checked and checked_mode(True):  # never while tracing or capturing
             self._symm_buffer.check_error()
 
     def _prepare_op_args(self) -> None:
         buf = self.get_symm_buffer()
         buffer_args = (buf.buffer, *buf.config_args, buf.intermediate, self.weight_format, buf.act_format)
+        ops = torch.ops.megamoe
         if self.weight_format == "fp8":
+            fused = ops.fp8_mega_moe.default
             fixed = (*self.l1_weights[:2], *self.l2_weights[:2], buf.buffer, *buf.config_args)
         else:
+            fused = ops.fp8_fp4_mega_moe.default
             fixed = (*self.l1_weights, *self.l2_weights, buf.buffer, *buf.config_args, self.weight_format,
                      buf.act_format)
-        self._op_args = (buffer_args, fixed)
+        self._op_args = (ops.pre_dispatch.default, fused, buffer_args, fixed)
         # Checked mode (reads the error word: a host sync) as megamoe.api's wrappers do, decided once.
         self._checked = os.environ.get("MEGAMOE_CHECK", "0") == "1"
 

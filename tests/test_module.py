@@ -123,12 +123,13 @@ def test_load_finalize_forward_matches_moe_and_reference(combo):
 @pytest.mark.parametrize("weight_format", ["fp8", "mxfp4", "nvfp4"])
 def test_finalize_in_place_equals_whole_transform(weight_format):
     """finalize_weights transforms expert by expert into the checkpoint storage: the kernel tensors are
-    bit-identical to transform_weights of the whole layer, and the weight buffers reuse the parameters'
-    storage (no second copy of the weights at any time)."""
+    bit-identical to transform_weights of the whole layer, and the weights (every format) and FP4 block
+    scales reuse the parameters' storage (no second copy of them at any time)."""
     layer = random_layer(E, H, I, weight_format)
     m = make_module(weight_format)
     load_layer(m, layer, weight_format, range(E))
-    ptrs = (m.w13_weight.data_ptr(), m.w2_weight.data_ptr())
+    reused = ["w13_weight", "w2_weight"] + ([] if weight_format == "fp8" else ["w13_weight_scale", "w2_weight_scale"])
+    ptrs = [getattr(m, n).data_ptr() for n in reused]
     m.finalize_weights()
     for proj, is_l1 in (("w13", True), ("w2", False)):
         want = megamoe.transform_weights(layer[proj], layer[f"{proj}_sf"], layer[f"{proj}_global_sf"],
@@ -137,7 +138,8 @@ def test_finalize_in_place_equals_whole_transform(weight_format):
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.shape == w.shape
             assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
-    assert (m.w13_kernel.data_ptr(), m.w2_kernel.data_ptr()) == ptrs
+    kernel = ["w13_kernel", "w2_kernel"] + ([] if weight_format == "fp8" else ["w13_kernel_sf", "w2_kernel_sf"])
+    assert [getattr(m, n).data_ptr() for n in kernel] == ptrs
 
 
 def test_param_layouts_and_attributes():
