@@ -46,4 +46,32 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   return c;
 }
 
+// ------------------------------------------------------------------------------------------------
+// FP4 grouped GEMM (sm90_fp4_grouped_gemm): weights decoded on chip to bf16, 256 K per stage.
+// ------------------------------------------------------------------------------------------------
+// One stage: packed weights 256 rows x 128 bytes, the token tile (E4M3: block_m x 256 bytes, E2M1:
+// block_m x 128), weight scales 256 rows x 16 bytes and token scales (at most 16 blocks x block_m),
+// each piece rounded up to 1024 bytes (TMA 128B-swizzle alignment).
+constexpr int fp4_round_1k(int b) { return (b + 1023) / 1024 * 1024; }
+constexpr int fp4_stage_bytes(int block_m, bool act_fp4) {
+  return 256 * 128 + fp4_round_1k(block_m * (act_fp4 ? 128 : 256)) + 256 * 16 + fp4_round_1k(block_m * 16);
+}
+// Fixed part: two bf16 token tiles (block_m x 256 K x 2 bytes each; the epilogue reuses them), barriers,
+// alignment slack.
+constexpr int fp4_fixed_bytes(int block_m) { return 2 * block_m * 512 + 1024 + 256; }
+// Deepest pipeline in the 227 KB a block may use: 5 / 4 / 3 stages for block_m 16 / 32 / 64 (either
+// token format).
+constexpr int fp4_num_stages_for(int block_m, bool act_fp4) {
+  return (227 * 1024 - fp4_fixed_bytes(block_m)) / fp4_stage_bytes(block_m, act_fp4);
+}
+
+// NOTES: the token block follows the same rule as the FP8 kernel (rows per touched expert); decode is
+// bound by the packed weight bytes either way.
+inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                                                 int64_t hidden, int64_t intermediate, bool act_fp4) {
+  GroupedGemmConfig c = choose_grouped_gemm(num_tokens, top_k, num_experts, hidden, intermediate);
+  c.num_stages = fp4_num_stages_for(c.block_m, act_fp4);
+  return c;
+}
+
 }  // namespace megamoe::heuristics

@@ -1,8 +1,13 @@
 // CUDA registration of fp8_fp4_mega_moe (FP4 expert weights, MXFP4 / NVFP4, w4a8 and w4a4).
+#include <ATen/ATen.h>
+
+#include <algorithm>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "heuristics/sm90.hpp"
+#include "kernels/launch.hpp"
 #include "ops/cuda_utils.hpp"
 #include "ops/ops.hpp"
 
@@ -20,14 +25,84 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   const auto format = parse_weight_format(weight_format);
   TORCH_CHECK_VALUE(format != WeightFormat::kFP8, "weight_format: fp8_fp4_mega_moe takes 'mxfp4' or 'nvfp4'; "
                     "FP8 block weights go through fp8_mega_moe");
-  check_mega_moe(y, l1_weights, l1_weights_sf, l1_weights_global_sf, l2_weights, l2_weights_sf,
-                 l2_weights_global_sf, buffer, num_experts, num_ranks, rank, max_tokens_per_rank, top_k, format,
-                 parse_act_format(act_format), activation_clamp, fast_math, recv_stats);
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "fp8_fp4_mega_moe: weight_format '", to_string(format), "' with act_format '",
-                              std::string(act_format), "' has no CUDA kernel for ", arch_name(y),
-                              " yet (the FP4 Hopper kernels are a separate issue); the CPU op implements it");
-}
+  const auto args = check_mega_moe(y, l1_weights, l1_weights_sf, l1_weights_global_sf, l2_weights, l2_weights_sf,
+                                   l2_weights_global_sf, buffer, num_experts, num_ranks, rank, max_tokens_per_rank,
+                                   top_k, format, parse_act_format(act_format), activation_clamp, fast_math,
+                                   recv_stats);
+  check_arch(y, "fp8_fp4_mega_moe");
+  const c10::cuda::CUDAGuard guard(y.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto& l = args.buf.layout;
+  const int t = static_cast<int>(args.num_tokens);
+  // NOTES: with peers, a rank without tokens still serves theirs and takes part in both barriers.
+  if (t == 0 && l.num_ranks == 1) return;
+  const int sms = num_sms(y);
+  const bool act_fp4 = l.act_fp4;
+  const auto recipe = args.recipe;
+  const auto cfg =
+      heuristics::choose_fp4_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate, act_fp4);
+  uint8_t* buf = buffer_ptr(buffer);
+  const uint64_t e = l.num_local_experts, h = l.hidden, inter = l.intermediate, rows = l.pool_rows;
+  const auto bm = static_cast<uint32_t>(cfg.block_m);
+  const int act_blk = recipe == ActRecipe::kNVFP4 ? 16 : 32;  // token scale block along K
+  const bool nv_acts = recipe == ActRecipe::kNVFP4;
 
+  // The L2 input of NVFP4 activations has a per-row global scale over the whole I row: L1 stores float32
+  // SwiGLU outputs here and a requantization kernel fills the pool (docs/decisions.md, FP4 kernels).
+  at::Tensor scratch;
+  if (nv_acts) {
+    const int64_t max_rows = l.num_ranks == 1 ? std::max<int64_t>(int64_t(t) * l.top_k, 1) : l.pool_rows;
+    scratch = at::empty({max_rows, l.intermediate}, y.options().dtype(at::kFloat));
+  }
+
+  // ---- routing and gather (dispatch: every rank's tokens routed to this rank's experts)
+  kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
+                          recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream);
+  kernels::launch_gather(buf, l, recipe, sms, stream);
+
+  const float clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
+  auto global_ptr = [&](const at::Tensor& g) -> const float* {
+    return format == WeightFormat::kNVFP4 && g.defined() ? g.data_ptr<float>() : nullptr;
+  };
+
+  // ---- L1: dispatch rows x w13 -> SwiGLU -> pool (FP8 / MXFP4 in the epilogue, NVFP4 through scratch)
+  kernels::Fp4GroupedGemmArgs g1;
+  g1.tmap_weights = kernels::make_tensor_map_2d(l1_weights.data_ptr(), h / 2, e * 2 * inter, h / 2, 128, 256);
+  g1.tmap_acts = kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, l.token_bytes, rows, l.token_bytes, 128, bm);
+  g1.tmap_acts_sf = kernels::make_tensor_map_2d_plain(buf + l.dispatch_sf_offset, rows, h / act_blk, rows, bm,
+                                                      256 / act_blk);
+  g1.weights_sf = static_cast<const uint8_t*>(l1_weights_sf.data_ptr());
+  g1.weights_global_sf = global_ptr(l1_weights_global_sf);
+  g1.acts_global_sf = nv_acts ? reinterpret_cast<const float*>(buf + l.dispatch_global_sf_offset) : nullptr;
+  g1.scratch = nv_acts ? scratch.data_ptr<float>() : nullptr;
+  g1.n = static_cast<int>(2 * inter);
+  g1.k = static_cast<int>(h);
+  g1.is_l1 = true;
+  g1.weight_format = format;
+  g1.recipe = recipe;
+  g1.activation_clamp = clamp;
+  g1.fast_math = fast_math;
+  kernels::launch_fp4_grouped_gemm(g1, buf, l, cfg.block_m, sms, stream);
+  if (nv_acts) kernels::launch_nvfp4_requant(g1.scratch, buf, l, static_cast<int>(scratch.size(0)), sms, stream);
+
+  // ---- L2: pool x w2 -> bf16 rows in the combine area
+  kernels::Fp4GroupedGemmArgs g2 = g1;
+  g2.tmap_weights = kernels::make_tensor_map_2d(l2_weights.data_ptr(), inter / 2, e * h, inter / 2, 128, 256);
+  g2.tmap_acts = kernels::make_tensor_map_2d(buf + l.pool_offset, l.pool_row_bytes, rows, l.pool_row_bytes, 128, bm);
+  g2.tmap_acts_sf = kernels::make_tensor_map_2d_plain(buf + l.pool_sf_offset, rows, inter / act_blk, rows, bm,
+                                                      256 / act_blk);
+  g2.weights_sf = static_cast<const uint8_t*>(l2_weights_sf.data_ptr());
+  g2.weights_global_sf = global_ptr(l2_weights_global_sf);
+  g2.acts_global_sf = nv_acts ? reinterpret_cast<const float*>(buf + l.pool_global_sf_offset) : nullptr;
+  g2.scratch = nullptr;
+  g2.n = static_cast<int>(h);
+  g2.k = static_cast<int>(inter);
+  g2.is_l1 = false;
+  kernels::launch_fp4_grouped_gemm(g2, buf, l, cfg.block_m, sms, stream);
+
+  // ---- combine over slots
+  kernels::launch_combine(y.data_ptr(), buf, l, static_cast<int>(args.buf.rank), t, sms, stream);
+}
 
 }  // namespace
 

@@ -1,0 +1,137 @@
+// Host side of the FP4 grouped GEMM (dispatch to the per-layer instantiation files, the unswizzled
+// tensor map of the token scales) and the NVFP4 requantization kernel between L1 and L2.
+#include <cuda.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include "kernels/sm90_fp4_grouped_gemm.cuh"
+#include "kernels/sm90_fp4_grouped_gemm_layers.hpp"
+
+namespace megamoe::kernels {
+
+void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
+                             int block_m, int num_sms, cudaStream_t stream) {
+  fp4::Params p;
+  p.weights_sf = args.weights_sf;
+  p.weights_global_sf = args.weights_global_sf;
+  p.acts_global_sf = args.acts_global_sf;
+  p.scratch = args.scratch;
+  p.buffer = buffer;
+  p.l = layout;
+  p.n = args.n;
+  p.k = args.k;
+  p.activation_clamp = args.activation_clamp;
+  p.fast_math = args.fast_math;
+  const bool nv = args.weight_format == WeightFormat::kNVFP4;
+  if (args.is_l1) {
+    if (nv) fp4::launch_l1_nvfp4(args, p, block_m, num_sms, stream);
+    else fp4::launch_l1_mxfp4(args, p, block_m, num_sms, stream);
+  } else {
+    if (nv) fp4::launch_l2_nvfp4(args, p, block_m, num_sms, stream);
+    else fp4::launch_l2_mxfp4(args, p, block_m, num_sms, stream);
+  }
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+// ------------------------------------------------------------------------------------------------
+// NVFP4 requantization of the L1 outputs (the per-token global scale spans the whole I row)
+// ------------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int kRequantThreads = 256;
+
+// One warp per pool row: row amax -> g = amax / (6 * 448); per 16: sf = e4m3(amax_blk / (6 g)),
+// codes = e2m1(x / (sf * g)); exactly pre_dispatch's NVFP4 recipe (and the CPU op's).
+__global__ void __launch_bounds__(kRequantThreads) nvfp4_requant_kernel(const float* scratch, uint8_t* buffer,
+                                                                        layout::BufferLayout l) {
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
+  const int rows = __ldcg(reinterpret_cast<const int*>(buffer + l.expert_offset_offset) + l.num_local_experts);
+  const int inter = static_cast<int>(l.intermediate);
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * kRequantThreads / 32;
+  uint8_t* pool = buffer + l.pool_offset;
+  uint8_t* pool_sf = buffer + l.pool_sf_offset;
+  float* pool_gsf = reinterpret_cast<float*>(buffer + l.pool_global_sf_offset);
+  for (int row = (blockIdx.x * kRequantThreads + threadIdx.x) / 32; row < rows; row += warps) {
+    const float* src = scratch + int64_t(row) * inter;
+    float amax = 0.0f;
+    for (int c = lane * 4; c < inter; c += 128) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(src + c));
+      amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+    amax = warp_reduce_max<32>(amax);
+    const float g = fmaxf(amax, kAmaxEps) / (kE2M1Max * kFP8Max);
+    for (int b = lane; b < inter / 16; b += 32) {
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(src + b * 16 + 4 * i));
+        v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
+      }
+      float bmax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) bmax = fmaxf(bmax, fabsf(v[i]));
+      const __nv_fp8_e4m3 sf(fminf(bmax / (g * kE2M1Max), kFP8Max));
+      const float denom = float(sf) * g;
+      uint8_t* dst = pool + int64_t(row) * (inter / 2) + b * 8;
+      store_e2m1x8(dst, v, denom);
+      store_e2m1x8(dst + 4, v + 8, denom);
+      pool_sf[int64_t(b) * l.pool_rows + row] = sf.__x;
+    }
+    if (lane == 0) pool_gsf[row] = g;
+  }
+}
+
+}  // namespace
+
+void launch_nvfp4_requant(const float* scratch, uint8_t* buffer, const layout::BufferLayout& layout, int max_rows,
+                          int num_sms, cudaStream_t stream) {
+  const int warps_per_block = kRequantThreads / 32;
+  int blocks = (max_rows + warps_per_block - 1) / warps_per_block;
+  blocks = blocks < 1 ? 1 : blocks > num_sms * 8 ? num_sms * 8 : blocks;
+  launch_pdl(nvfp4_requant_kernel, dim3(blocks), dim3(kRequantThreads), 0, stream, scratch, buffer, layout);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+// ------------------------------------------------------------------------------------------------
+// Unswizzled tensor maps (token scales: K-block-major rows of pool_rows bytes)
+// ------------------------------------------------------------------------------------------------
+namespace {
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn encode_tiled() {
+  static EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    MEGAMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                                        &status));
+    if (status != cudaDriverEntryPointSuccess || ptr == nullptr)
+      throw std::runtime_error("megamoe: cuTensorMapEncodeTiled is not available from the CUDA driver");
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+CUtensorMap make_tensor_map_2d_plain(const void* base, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
+                                     uint32_t box_inner, uint32_t box_outer) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {row_stride_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("megamoe: cuTensorMapEncodeTiled (plain) failed with CUresult " + std::to_string(int(r)));
+  return map;
+}
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,606 @@
+// Grouped GEMM for FP4 expert weights (MXFP4 / NVFP4) on Hopper: one persistent launch walks
+// (expert, token block, 256 weight rows) tiles, as the FP8 kernel does (swap AB: weights are the
+// 64-row wgmma A operand, tokens the N dimension).
+//
+// Hopper has no FP4 MMA. Everything is decoded on chip to BF16 and multiplied by a BF16 wgmma with
+// float32 accumulation over the whole K: E2M1 x UE8M0, E2M1 x UE4M3 (<= 6 significant bits),
+// E4M3 x UE8M0 are all exact in bf16, so no per-block promotion is needed and the products are exact.
+// Only the float32 factors (NVFP4 per-expert weight global scale, NVFP4 per-token activation global
+// scale) are applied, once, in the epilogue.
+//
+// Warp roles (384 threads): warpgroup 0 = producer: thread 0 issues the TMA loads (packed weights
+// 256 rows x 128 bytes = 256 K, 128B-swizzled; the token tile; the token scales), warp 1 copies the
+// weight block scales with cp.async (their rows are K/32 or K/16 bytes: too narrow for TMA).
+// Warpgroups 1-2 = consumers, each owning 128 weight rows = two 64-row slices (L1: gate chunk + up chunk).
+// Per stage the 256 consumer threads first convert the token tile to a 128B-swizzled bf16 tile (two
+// such tiles alternate), then each consumer decodes its weights from shared memory straight into the
+// wgmma A fragment (registers) and issues m64nNk16 wgmmas whose B descriptor points at the bf16 tile.
+//
+// K order. A dot product does not depend on the order of K, so the kernel uses its own order inside
+// each 128-K group, the same for A and B: thread q = lane % 4 of a fragment row owns the 32 contiguous
+// physical K [32q, 32q + 32) of the group (16 packed bytes: one uint4 shared-memory load, one MXFP4
+// scale, two NVFP4 scales). Physical element j = 8t + p + 4e of that range (t: 32-bit word, p < 4,
+// e < 2) sits at logical k16 step 2t + p/2, fragment column 2q + 8(p % 2) + e. With that order one
+// E2M1 word yields four bf16 pairs (nibbles p, p + 4) with a few shifts and masks.
+//
+// Exponent split. A decoded E2M1 nibble is e2m1 x 2^-126 (its 3 magnitude bits placed at bf16 bits
+// 6-8: subnormal for codes 0 and 1); one bf16 multiply by s x 2^94 (s = the block scale) gives
+// A = w x 2^-32 exactly, and tokens are converted as B = x x 2^32, so A.B is the true product.
+// Limits of that split: MXFP4 weight scales up to 2^33 and activations up to 2^95 (real weights have
+// scales near 2^-7, activations are bf16 model values).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "heuristics/sm90.hpp"
+#include "kernels/launch.hpp"
+#include "kernels/sm90_common.cuh"
+#include "megamoe/ptx/sm90.cuh"
+
+namespace megamoe::kernels::fp4 {
+
+constexpr int kBlockN = 256;  // weight rows per tile
+constexpr int kBlockK = 256;  // K per stage (128 packed bytes per weight row)
+constexpr int kNumThreads = 384;
+constexpr int kNumConsumerThreads = 256;
+constexpr int kScaleWordsBytes = 16;  // weight scale bytes per row per stage in shared memory
+
+struct Params {
+  const uint8_t* weights_sf;       // [E * n, k / wblk] (UE8M0 per 32 or UE4M3 per 16)
+  const float* weights_global_sf;  // [E] (NVFP4) or nullptr
+  const float* acts_global_sf;     // [pool_rows] (NVFP4 activations) or nullptr
+  float* scratch;                  // L1 with NVFP4 activations: float32 [rows, n / 2] SwiGLU outputs
+  uint8_t* buffer;
+  layout::BufferLayout l;
+  int n, k;
+  float activation_clamp;  // < 0: none
+  bool fast_math;
+};
+
+template <int kBlockM, bool kActFP4>
+struct Smem {
+  static constexpr int kTileA = kBlockN * kBlockK / 2;
+  static constexpr int kTileB = heuristics::fp4_round_1k(kBlockM * (kActFP4 ? 128 : 256));
+  static constexpr int kTileSW = kBlockN * kScaleWordsBytes;
+  static constexpr int kTileSA = heuristics::fp4_round_1k(kBlockM * 16);
+  static constexpr int kStage = kTileA + kTileB + kTileSW + kTileSA;
+  static constexpr int kTileBF = kBlockM * kBlockK * 2;  // one bf16 token tile
+  template <int kStages>
+  static constexpr int bytes() {
+    return 1024 /* alignment slack */ + kStages * kStage + 2 * kTileBF + 256 /* barriers */;
+  }
+};
+
+// Finds the tile's expert by binary search over the cumulative token blocks.
+__device__ __forceinline__ int find_expert(const int* tile_offset, int num_experts, int num_nblocks, int tile) {
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (__ldcg(tile_offset + mid) * num_nblocks <= tile) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+struct TileInfo {
+  int expert, m_block, n_block, row0, rows;
+};
+
+__device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_offset, const int* expert_offset,
+                                                int num_experts, int num_nblocks, int block_m) {
+  TileInfo t;
+  t.expert = find_expert(tile_offset, num_experts, num_nblocks, tile);
+  const int first_block = __ldcg(tile_offset + t.expert);
+  const int m_blocks = __ldcg(tile_offset + t.expert + 1) - first_block;
+  const int local = tile - first_block * num_nblocks;
+  // Token blocks innermost: CTAs running side by side share a weight tile, which L2 then serves.
+  t.n_block = local / m_blocks;
+  t.m_block = local % m_blocks;
+  t.row0 = __ldcg(expert_offset + t.expert) + t.m_block * block_m;
+  t.rows = min(block_m, __ldcg(expert_offset + t.expert + 1) - t.row0);
+  return t;
+}
+
+// Nibbles p and p + 4 of `w` -> a bf16 pair (low half: nibble p) holding e2m1 x 2^-126: magnitude bits
+// to bf16 bits 6-8 (exponent bits 7-8, mantissa bit 6; exponent 0 = the E2M1 subnormal 0.5), sign to 15.
+template <int p>
+__device__ __forceinline__ uint32_t e2m1x2_raw(uint32_t w) {
+  constexpr uint32_t kMag = 0x01C001C0u, kSign = 0x80008000u;
+  static_assert(p >= 0 && p < 4);
+  const uint32_t mag = (p == 0 ? w << 6 : p == 1 ? w << 2 : p == 2 ? w >> 2 : w >> 6) & kMag;
+  const uint32_t sign = (p == 0 ? w << 12 : p == 1 ? w << 8 : p == 2 ? w << 4 : w) & kSign;
+  return mag | sign;
+}
+
+constexpr uint32_t kBF16x2Pow2_126 = 0x7E807E80u;  // (2^126, 2^126)
+constexpr int kSplit = 32;                          // A = w x 2^-32, B = x x 2^32
+
+// Weight block scale -> the bf16 pair factor s x 2^(126 - kSplit) that turns a raw nibble into A.
+__device__ __forceinline__ uint32_t weight_factor_mx(uint32_t b) {
+  // 2^(b - 127 + 94): bf16 exponent field b + 94 (b = 255 is NaN; past the range: inf, never silent)
+  const uint32_t e = b + 127 + 126 - kSplit - 127;
+  const uint32_t h = b == 255 ? 0x7FC0u : e >= 255 ? 0x7F80u : e << 7;
+  return h | (h << 16);
+}
+__device__ __forceinline__ uint32_t weight_factor_nv(uint8_t b) {
+  const float s = __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3))) * 0x1p94f;  // exact
+  const uint32_t h = __float_as_uint(s) >> 16;  // exact: at most 4 significant bits
+  return h | (h << 16);
+}
+// Token scales -> the factor for B = x x 2^kSplit.
+__device__ __forceinline__ float act_factor_ue8m0_f32(uint32_t b) {
+  const uint32_t e = b + kSplit;
+  return __uint_as_float(b == 255 ? 0x7FC00000u : e >= 255 ? 0x7F800000u : e << 23);
+}
+__device__ __forceinline__ uint32_t act_factor_ue8m0_bf16x2(uint32_t b) {
+  const uint32_t e = b + kSplit;
+  const uint32_t h = b == 255 ? 0x7FC0u : e >= 255 ? 0x7F80u : e << 7;
+  return h | (h << 16);
+}
+__device__ __forceinline__ uint32_t act_factor_ue4m3_bf16x2(uint8_t b) {
+  const float s = __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3))) * 0x1p32f;
+  const uint32_t h = __float_as_uint(s) >> 16;
+  return h | (h << 16);
+}
+
+// One conversion unit of the token tile: token n, 128-K group g, quarter q (32 physical K) -> 16 bf16
+// pairs in the logical K order of the file comment, into the 128B-swizzled K-major bf16 tile
+// ([4 atoms of 64 K][kBlockM rows][128 bytes]).
+template <int kBlockM, ActRecipe kRecipe>
+__device__ __forceinline__ void convert_token_unit(const uint8_t* raw, const uint8_t* sfa, uint8_t* bf, int n, int g,
+                                                   int q) {
+  const int sw = n % 8;
+  uint8_t* row = bf + n * 128 + 4 * q;
+  auto store = [&](int t, int p, uint32_t v) {
+    const int step = 2 * t + p / 2;  // k16 step within the group
+    const int atom = 2 * g + t / 2;
+    const int unit = 2 * (step % 4) + (p % 2);
+    *reinterpret_cast<uint32_t*>(row + atom * kBlockM * 128 + ((unit ^ sw) << 4)) = v;
+  };
+  if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
+    const uint8_t* src = raw + g * kBlockM * 128 + n * 128;
+    const uint4 lo = *reinterpret_cast<const uint4*>(src + (((2 * q) ^ sw) << 4));
+    const uint4 hi = *reinterpret_cast<const uint4*>(src + (((2 * q + 1) ^ sw) << 4));
+    const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const float f = act_factor_ue8m0_f32(sfa[(4 * g + q) * kBlockM + n]);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        // bytes 8t + p and 8t + p + 4 of the 32: byte p of words 2t and 2t + 1
+        const uint32_t pair = ptx::prmt(w[2 * t], w[2 * t + 1], p | ((4 + p) << 4));
+        const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFF),
+                                                             __NV_E4M3));
+        const float2 v = __half22float2(h);
+        const __nv_bfloat162 b = __floats2bfloat162_rn(v.x * f, v.y * f);
+        store(t, p, *reinterpret_cast<const uint32_t*>(&b));
+      }
+    }
+  } else {
+    const uint4 raw4 = *reinterpret_cast<const uint4*>(raw + n * 128 + (((4 * g + q) ^ sw) << 4));
+    const uint32_t w[4] = {raw4.x, raw4.y, raw4.z, raw4.w};
+    uint32_t f[2];
+    if constexpr (kRecipe == ActRecipe::kMXFP4) {
+      f[0] = f[1] = act_factor_ue8m0_bf16x2(sfa[(4 * g + q) * kBlockM + n]);
+    } else {
+      f[0] = act_factor_ue4m3_bf16x2(sfa[(8 * g + 2 * q) * kBlockM + n]);
+      f[1] = act_factor_ue4m3_bf16x2(sfa[(8 * g + 2 * q + 1) * kBlockM + n]);
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const uint32_t ft = f[t / 2];
+      store(t, 0, ptx::mul_bf16x2(ptx::mul_bf16x2(e2m1x2_raw<0>(w[t]), kBF16x2Pow2_126), ft));
+      store(t, 1, ptx::mul_bf16x2(ptx::mul_bf16x2(e2m1x2_raw<1>(w[t]), kBF16x2Pow2_126), ft));
+      store(t, 2, ptx::mul_bf16x2(ptx::mul_bf16x2(e2m1x2_raw<2>(w[t]), kBF16x2Pow2_126), ft));
+      store(t, 3, ptx::mul_bf16x2(ptx::mul_bf16x2(e2m1x2_raw<3>(w[t]), kBF16x2Pow2_126), ft));
+    }
+  }
+}
+
+// Decodes this thread's part of one (128-K group, 64-row slice): rows r and r + 8 of the slice, 32 K each,
+// into the A fragments of the group's 8 k16 steps.
+template <bool kNV>
+__device__ __forceinline__ void decode_weights(uint32_t (&a)[8][4], const uint8_t* tile_a, const uint8_t* tile_sw,
+                                               int row, int g, int q) {
+  const int unit = ((4 * g + q) ^ (row % 8)) << 4;  // rows r and r + 8 share the swizzle phase
+  const uint4 ra = *reinterpret_cast<const uint4*>(tile_a + row * 128 + unit);
+  const uint4 rb = *reinterpret_cast<const uint4*>(tile_a + (row + 8) * 128 + unit);
+  const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
+  uint32_t fa[2], fb[2];
+  if constexpr (kNV) {
+    const uint16_t sa = *reinterpret_cast<const uint16_t*>(tile_sw + row * kScaleWordsBytes + 8 * g + 2 * q);
+    const uint16_t sb = *reinterpret_cast<const uint16_t*>(tile_sw + (row + 8) * kScaleWordsBytes + 8 * g + 2 * q);
+    fa[0] = weight_factor_nv(sa & 0xFF), fa[1] = weight_factor_nv(sa >> 8);
+    fb[0] = weight_factor_nv(sb & 0xFF), fb[1] = weight_factor_nv(sb >> 8);
+  } else {
+    fa[0] = fa[1] = weight_factor_mx(tile_sw[row * kScaleWordsBytes + 4 * g + q]);
+    fb[0] = fb[1] = weight_factor_mx(tile_sw[(row + 8) * kScaleWordsBytes + 4 * g + q]);
+  }
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const uint32_t f0 = fa[t / 2], f1 = fb[t / 2];
+    // step 2t: nibbles 0/4 (cols 2q..) and 1/5 (cols 2q + 8..); step 2t + 1: nibbles 2/6 and 3/7
+    a[2 * t][0] = ptx::mul_bf16x2(e2m1x2_raw<0>(wa[t]), f0);
+    a[2 * t][1] = ptx::mul_bf16x2(e2m1x2_raw<0>(wb[t]), f1);
+    a[2 * t][2] = ptx::mul_bf16x2(e2m1x2_raw<1>(wa[t]), f0);
+    a[2 * t][3] = ptx::mul_bf16x2(e2m1x2_raw<1>(wb[t]), f1);
+    a[2 * t + 1][0] = ptx::mul_bf16x2(e2m1x2_raw<2>(wa[t]), f0);
+    a[2 * t + 1][1] = ptx::mul_bf16x2(e2m1x2_raw<2>(wb[t]), f1);
+    a[2 * t + 1][2] = ptx::mul_bf16x2(e2m1x2_raw<3>(wa[t]), f0);
+    a[2 * t + 1][3] = ptx::mul_bf16x2(e2m1x2_raw<3>(wb[t]), f1);
+  }
+}
+
+template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    sm90_fp4_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
+                                 const __grid_constant__ CUtensorMap tmap_acts,
+                                 const __grid_constant__ CUtensorMap tmap_acts_sf, Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
+  using S = Smem<kBlockM, kActFP4>;
+  using Mma = ptx::WgmmaBF16RS<kBlockM>;
+  constexpr int kRegs = Mma::kNumRegs;
+  constexpr int kWBlk = kNV ? 16 : 32;                            // weight scale block (K)
+  constexpr int kABlk = kRecipe == ActRecipe::kNVFP4 ? 16 : 32;   // token scale block (K)
+  constexpr int kABlocks = kBlockK / kABlk;                       // token scale rows per stage
+  constexpr int kWWords = kBlockK / kWBlk / 4;                    // weight scale words per row per stage
+  static_assert(kBlockM % 16 == 0 && kBlockM <= 64, "token block must be 16, 32 or 64");
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* stages = smem;
+  uint8_t* bf_tiles = smem + kNumStages * S::kStage;  // two bf16 token tiles, then reused by the epilogue
+  uint64_t* full = reinterpret_cast<uint64_t*>(bf_tiles + 2 * S::kTileBF);
+  uint64_t* empty = full + kNumStages;
+  auto tile_a = [&](int s) { return stages + s * S::kStage; };
+  auto tile_b = [&](int s) { return stages + s * S::kStage + S::kTileA; };
+  auto tile_sw = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB; };
+  auto tile_sa = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB + S::kTileSW; };
+
+  const int warpgroup = threadIdx.x / 128;
+  const int lane = threadIdx.x % 32;
+  const auto& l = p.l;
+  const int num_experts = static_cast<int>(l.num_local_experts);
+  const int* tile_offset = reinterpret_cast<const int*>(p.buffer + l.tile_offset_offset);
+  const int* expert_offset = reinterpret_cast<const int*>(p.buffer + l.expert_offset_offset);
+  const int num_nblocks = (p.n + kBlockN - 1) / kBlockN;
+  const int num_kblocks = (p.k + kBlockK - 1) / kBlockK;
+  // NOTES: routing metadata is final before this grid launches (see the FP8 kernel): the predecessor
+  // allows the launch only after its own dependency wait, which follows the routing kernel.
+  const int num_tiles = __ldcg(tile_offset + num_experts) * num_nblocks;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kNumStages; ++s) {
+      ptx::mbarrier_init(&full[s], 1 + 32);  // TMA thread + the 32 scale-copy lanes
+      ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ======================================================================== producer
+    ptx::setmaxnreg_dec<40>();
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x == 0) {
+      ptx::prefetch_tensormap(&tmap_weights);
+      ptx::prefetch_tensormap(&tmap_acts);
+      ptx::prefetch_tensormap(&tmap_acts_sf);
+      ptx::grid_dependency_wait();
+      ptx::launch_dependents();
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+        const int weight_row = t.expert * p.n + t.n_block * kBlockN;
+        for (int kb = 0; kb < num_kblocks; ++kb) {
+          const bool full_stage = (kb + 1) * kBlockK <= p.k;
+          uint32_t bytes = S::kTileA + kBlockM * kABlocks;
+          if constexpr (kActFP4) bytes += kBlockM * 128;
+          else bytes += (full_stage ? 2 : 1) * kBlockM * 128;
+          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+          ptx::mbarrier_arrive_expect_tx(&full[stage], bytes);
+          ptx::tma_load_2d(tile_a(stage), &tmap_weights, &full[stage], kb * (kBlockK / 2), weight_row);
+          if constexpr (kActFP4) {
+            ptx::tma_load_2d(tile_b(stage), &tmap_acts, &full[stage], kb * (kBlockK / 2), t.row0);
+          } else {
+            ptx::tma_load_2d(tile_b(stage), &tmap_acts, &full[stage], kb * kBlockK, t.row0);
+            if (full_stage)
+              ptx::tma_load_2d(tile_b(stage) + kBlockM * 128, &tmap_acts, &full[stage], kb * kBlockK + 128, t.row0);
+          }
+          ptx::tma_load_2d(tile_sa(stage), &tmap_acts_sf, &full[stage], t.row0, kb * kABlocks);
+          if (++stage == kNumStages) stage = 0, phase ^= 1;
+        }
+      }
+    } else if (warp == 1) {
+      // Weight block scales: rows of k / kWBlk bytes (4-byte multiples), kWWords words per row per stage.
+      const int row_bytes = p.k / kWBlk;
+      const int64_t total_rows = int64_t(num_experts) * p.n;
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+        const int64_t weight_row = int64_t(t.expert) * p.n + t.n_block * kBlockN;
+        for (int kb = 0; kb < num_kblocks; ++kb) {
+          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+          uint8_t* dst = tile_sw(stage);
+#pragma unroll 1
+          for (int i = lane; i < kBlockN * kWWords; i += 32) {
+            const int r = i / kWWords, word = i % kWWords;
+            const int col = kb * (kBlockK / kWBlk) + 4 * word;
+            if (weight_row + r < total_rows && col < row_bytes)
+              ptx::cp_async_4(dst + r * kScaleWordsBytes + 4 * word, p.weights_sf + (weight_row + r) * row_bytes + col);
+          }
+          ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
+          if (++stage == kNumStages) stage = 0, phase ^= 1;
+        }
+      }
+      ptx::cp_async_wait_all();
+    }
+    return;
+  }
+
+  // ========================================================================== consumers
+  ptx::setmaxnreg_inc<232>();
+  ptx::grid_dependency_wait();  // token tiles, scales and routing rows come from earlier kernels
+  ptx::launch_dependents();
+  const int consumer = warpgroup - 1;                 // owns weight rows [128 c, 128 c + 128) of the tile
+  const int warp = (threadIdx.x / 32) % 4;            // warp within the warpgroup
+  const int ctid = threadIdx.x - 128;                 // 0..255 over both consumers
+  const int q = lane % 4;
+  const int quad_row = warp * 16 + lane / 4;          // this thread's first row in a 64-row slice
+  int stage = 0;
+  uint32_t phase = 0;
+
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+    float acc0[kRegs], acc1[kRegs];
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
+
+    for (int kb = 0; kb < num_kblocks; ++kb) {
+      const int groups = (kb + 1) * kBlockK <= p.k ? 2 : 1;  // 128-K groups in this stage
+      uint8_t* bf = bf_tiles + (kb % 2) * S::kTileBF;
+      ptx::mbarrier_wait(&full[stage], phase);
+
+      // ---- token tile -> bf16 (both consumers); the bf16 tile of stage kb - 2 is free: every consumer
+      // waited for its wgmmas before reaching the barrier of stage kb - 1.
+      for (int u = ctid; u < kBlockM * 8; u += kNumConsumerThreads) {
+        const int n = u / 8, g = (u / 4) % 2, uq = u % 4;
+        if (g < groups) convert_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage), bf, n, g, uq);
+      }
+      ptx::fence_proxy_async_shared();
+      ptx::named_barrier_sync(1, kNumConsumerThreads);
+
+      // ---- weights: decode (g, slice) groups into two alternating register sets, 8 wgmmas each
+      uint32_t frag[2][8][4];
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int g = j / 2, slice = j % 2;
+        if (g >= groups) break;
+        if (j >= 2) ptx::wgmma_wait<1>();  // group j - 2 (same registers) has finished
+        auto& a = frag[j % 2];
+        decode_weights<kNV>(a, tile_a(stage), tile_sw(stage), consumer * 128 + slice * 64 + quad_row, g, q);
+#pragma unroll
+        for (int s = 0; s < 8; ++s)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) ptx::fence_operand(a[s][r]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          const int step = 8 * g + s;
+          const uint64_t desc_b = ptx::make_smem_desc_sw128(bf + (step / 4) * kBlockM * 128 + (step % 4) * 32);
+          if (slice == 0) Mma::run(acc0, a[s], desc_b);
+          else Mma::run(acc1, a[s], desc_b);
+        }
+        ptx::wgmma_commit();
+      }
+      // Every shared-memory read of this stage is done (weights were decoded into registers).
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
+      if (++stage == kNumStages) stage = 0, phase ^= 1;
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) ptx::fence_operand(frag[0][s][r]), ptx::fence_operand(frag[1][s][r]);
+    }
+
+    // ======================================================================== epilogue
+    // The bf16 token tiles become the epilogue's scratch once both consumers are past their wgmmas.
+    ptx::named_barrier_sync(1, kNumConsumerThreads);
+    // Float32 factors: NVFP4 weight global scale (per expert) x NVFP4 token global scale (per row).
+    const float gw = p.weights_global_sf != nullptr ? __ldg(p.weights_global_sf + t.expert) : 1.0f;
+    float col_f[kBlockM / 4];
+#pragma unroll
+    for (int j = 0; j < kBlockM / 4; ++j) {
+      const int col = 8 * (j / 2) + 2 * q + (j % 2);
+      col_f[j] = p.acts_global_sf != nullptr ? (col < t.rows ? gw * p.acts_global_sf[t.row0 + col] : 0.0f) : gw;
+    }
+    if constexpr (kIsL1) {
+      // SwiGLU in registers: acc0 = gate rows, acc1 = the matching up rows.
+      const float* row_weight = reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset);
+      float col_w[kBlockM / 4];
+#pragma unroll
+      for (int j = 0; j < kBlockM / 4; ++j) {
+        const int col = 8 * (j / 2) + 2 * q + (j % 2);
+        col_w[j] = col < t.rows ? row_weight[t.row0 + col] : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) {
+        const int j = (i / 4) * 2 + (i % 2);
+        float g = __bfloat162float(__float2bfloat16_rn(acc0[i] * col_f[j]));
+        float u = __bfloat162float(__float2bfloat16_rn(acc1[i] * col_f[j]));
+        if (p.activation_clamp >= 0.0f) {
+          g = fminf(g, p.activation_clamp);
+          u = fminf(fmaxf(u, -p.activation_clamp), p.activation_clamp);
+        }
+        const float silu = p.fast_math ? __fdividef(g, 1.0f + __expf(-g)) : g / (1.0f + expf(-g));
+        acc0[i] = silu * u * col_w[j];
+      }
+      const int inter = p.n / 2;
+      if constexpr (kRecipe == ActRecipe::kNVFP4) {
+        // The per-token global scale spans the whole I row, which no tile sees: store float32, the
+        // requantization kernel runs after this grid.
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) {
+          const int col = 8 * (i / 4) + 2 * q + (i % 2);
+          const int out = t.n_block * 128 + consumer * 64 + quad_row + ((i / 2) % 2) * 8;
+          if (col < t.rows) p.scratch[int64_t(t.row0 + col) * inter + out] = acc0[i];
+        }
+      } else {
+        // Per-token amax over each 32 outputs (two warps of a consumer): registers, lanes sharing a column
+        // (xor 4, 8, 16), then shared memory.
+        float* amax_smem = reinterpret_cast<float*>(bf_tiles);             // [8 warps][kBlockM]
+        uint8_t* out_tile = bf_tiles + 8 * kBlockM * 4;                    // [kBlockM][128] codes / E4M3
+#pragma unroll
+        for (int j = 0; j < kBlockM / 4; ++j) {
+          const int i0 = (j / 2) * 4 + (j % 2);
+          float m = fmaxf(fabsf(acc0[i0]), fabsf(acc0[i0 + 2]));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+          if (lane < 4) amax_smem[(consumer * 4 + warp) * kBlockM + 8 * (j / 2) + 2 * lane + (j % 2)] = m;
+        }
+        ptx::named_barrier_sync(1, kNumConsumerThreads);
+        uint8_t* pool_sf = p.buffer + l.pool_sf_offset;
+        const int cw = consumer * 4 + warp;
+        const int blk = t.n_block * 4 + consumer * 2 + warp / 2;  // 32-block of the I row
+#pragma unroll
+        for (int j = 0; j < kBlockM / 4; ++j) {
+          const int col = 8 * (j / 2) + 2 * q + (j % 2);
+          const float amax = fmaxf(amax_smem[(cw & ~1) * kBlockM + col], amax_smem[(cw | 1) * kBlockM + col]);
+          const int i0 = (j / 2) * 4 + (j % 2);
+          const int out = consumer * 64 + quad_row;
+          float scale;
+          uint8_t c0, c1;
+          if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
+            scale = ceil_pow2(fmaxf(amax, kAmaxEps) / kFP8Max);
+            c0 = to_fp8(acc0[i0] / scale), c1 = to_fp8(acc0[i0 + 2] / scale);
+          } else {
+            scale = ceil_pow2(fmaxf(amax, kAmaxEps) / kE2M1Max);
+            c0 = static_cast<uint8_t>(e2m1_code(acc0[i0] / scale));
+            c1 = static_cast<uint8_t>(e2m1_code(acc0[i0 + 2] / scale));
+          }
+          out_tile[col * 128 + out] = c0;
+          out_tile[col * 128 + out + 8] = c1;
+          if (warp % 2 == 0 && lane < 4 && col < t.rows)
+            pool_sf[int64_t(blk) * l.pool_rows + t.row0 + col] = ue8m0_bits(scale);
+        }
+        ptx::named_barrier_sync(1, kNumConsumerThreads);
+        if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
+          // Coalesced copy-out: 8 x 16 bytes per token row.
+          for (int c = ctid; c < kBlockM * 8; c += kNumConsumerThreads) {
+            const int col = c / 8, part = c % 8;
+            if (col < t.rows)
+              *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter + t.n_block * 128 +
+                                        part * 16) = reinterpret_cast<const uint4*>(out_tile)[c];
+          }
+        } else {
+          // Pack: 8 codes -> 4 bytes (low nibble first); 16 x 4 bytes per token row.
+          for (int c = ctid; c < kBlockM * 16; c += kNumConsumerThreads) {
+            const int col = c / 16, part = c % 16;
+            if (col < t.rows) {
+              const uint2 codes = reinterpret_cast<const uint2*>(out_tile)[c];
+              uint32_t packed = 0;
+#pragma unroll
+              for (int b = 0; b < 4; ++b) {
+                packed |= ((codes.x >> (8 * b)) & 0xF) << (4 * b);
+                packed |= ((codes.y >> (8 * b)) & 0xF) << (16 + 4 * b);
+              }
+              *reinterpret_cast<uint32_t*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * (inter / 2) +
+                                           t.n_block * 64 + part * 4) = packed;
+            }
+          }
+        }
+      }
+      ptx::named_barrier_sync(1, kNumConsumerThreads);
+    } else {
+      // L2: bf16 rows into the combine area of the token's rank at (token, slot) (NVLink stores for a peer).
+      __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(bf_tiles);  // [kBlockM][256]
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) {
+        const int j = (i / 4) * 2 + (i % 2);
+        const int col = 8 * (i / 4) + 2 * q + (i % 2);
+        const int row = consumer * 128 + quad_row + ((i / 2) % 2) * 8;
+        out_tile[col * kBlockN + row] = __float2bfloat16_rn(acc0[i] * col_f[j]);
+        out_tile[col * kBlockN + row + 64] = __float2bfloat16_rn(acc1[i] * col_f[j]);
+      }
+      ptx::named_barrier_sync(1, kNumConsumerThreads);
+      const int* pool_src = reinterpret_cast<const int*>(p.buffer + l.pool_src_offset);
+      const int rank_slots = static_cast<int>(l.max_tokens_per_rank * l.top_k);
+      for (int c = ctid; c < kBlockM * 32; c += kNumConsumerThreads) {
+        const int col = c / 32, part = c % 32;
+        if (col < t.rows && t.n_block * kBlockN + part * 8 < p.n) {
+          const int src = pool_src[t.row0 + col];
+          const int src_rank = src / rank_slots;
+          auto* combine = reinterpret_cast<__nv_bfloat16*>(peer_buffer(p.buffer, l, src_rank) + l.combine_offset);
+          *reinterpret_cast<uint4*>(combine + int64_t(src - src_rank * rank_slots) * l.hidden + t.n_block * kBlockN +
+                                    part * 8) = reinterpret_cast<const uint4*>(out_tile)[c];
+        }
+      }
+      ptx::named_barrier_sync(1, kNumConsumerThreads);
+    }
+  }
+#else
+  __trap();  // built for a GPU without wgmma: the host never launches this
+#endif
+}
+
+// Host: one instantiation's launch (defined here, instantiated by the per-layer .cu files).
+template <int kBlockM, bool kIsL1, bool kNV, ActRecipe kRecipe>
+void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cudaStream_t stream) {
+  constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
+  constexpr int kStages = heuristics::fp4_num_stages_for(kBlockM, kActFP4);
+  constexpr int kBytes = Smem<kBlockM, kActFP4>::template bytes<kStages>();
+  static_assert(kBytes <= 227 * 1024, "FP4 grouped GEMM shared memory exceeds the 227 KB a block may use");
+  auto kernel = sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe>;
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+  });
+  launch_pdl(kernel, dim3(num_sms), dim3(kNumThreads), kBytes, stream, a.tmap_weights, a.tmap_acts, a.tmap_acts_sf,
+             p);
+}
+
+// Every (block_m, activation recipe) of one layer and weight format.
+template <bool kIsL1, bool kNV>
+void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int num_sms, cudaStream_t stream) {
+#define MEGAMOE_FP4_LAUNCH(BM)                                                                        \
+  case BM:                                                                                            \
+    switch (a.recipe) {                                                                               \
+      case ActRecipe::kFP8UE8M0Block32:                                                               \
+        return launch_config<BM, kIsL1, kNV, ActRecipe::kFP8UE8M0Block32>(a, p, num_sms, stream);     \
+      case ActRecipe::kMXFP4:                                                                         \
+        if constexpr (!kNV) return launch_config<BM, kIsL1, kNV, ActRecipe::kMXFP4>(a, p, num_sms, stream); \
+        break;                                                                                        \
+      case ActRecipe::kNVFP4:                                                                         \
+        if constexpr (kNV) return launch_config<BM, kIsL1, kNV, ActRecipe::kNVFP4>(a, p, num_sms, stream); \
+        break;                                                                                        \
+      default:                                                                                        \
+        break;                                                                                        \
+    }                                                                                                 \
+    break;
+  switch (block_m) {
+    MEGAMOE_FP4_LAUNCH(16)
+    MEGAMOE_FP4_LAUNCH(32)
+    MEGAMOE_FP4_LAUNCH(64)
+  }
+#undef MEGAMOE_FP4_LAUNCH
+  throw std::runtime_error("megamoe: FP4 grouped GEMM has no instantiation for block_m = " + std::to_string(block_m) +
+                           " with activation recipe " + std::to_string(int(a.recipe)));
+}
+
+}  // namespace megamoe::kernels::fp4
