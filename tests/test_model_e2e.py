@@ -8,8 +8,7 @@ eagerly, under torch.compile(fullgraph=True) and (CUDA) captured in a CUDA graph
 - a CUDA graph replays correctly with new inputs copied into its static input.
 The CPU variants run the C++ CPU ops (CI has no GPU) and compile with aot_eager (Dynamo, the fake impls and
 functionalization of the mutating ops, without inductor's C++ build, too slow for a 2-core CI); CUDA compiles
-with inductor. FP4 formats on CUDA are strict xfails until the FP4 Hopper kernel exists (the op raises
-NotImplementedError).
+with inductor.
 """
 from __future__ import annotations
 
@@ -32,12 +31,7 @@ def _params():
     out = []
     for device in ("cpu", "cuda"):
         for fmt, act in COMBOS:
-            marks = []
-            if device == "cuda":
-                marks = list(CUDA_MARKS)
-                if fmt != "fp8":
-                    marks.append(pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                                                   reason="FP4 Hopper kernel not written yet"))
+            marks = list(CUDA_MARKS) if device == "cuda" else []
             out.append(pytest.param(device, fmt, act, marks=marks, id=f"{device}-{fmt}-a{act}"))
     return out
 

@@ -53,8 +53,11 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
 // block_m x 128), weight scales 256 rows x 16 bytes and token scales (at most 16 blocks x block_m),
 // each piece rounded up to 1024 bytes (TMA 128B-swizzle alignment).
 constexpr int fp4_round_1k(int b) { return (b + 1023) / 1024 * 1024; }
+// Token scales per stage: one row per 16- or 32-K block (16 rows for NVFP4 activations, 8 otherwise) of
+// block_m + 4 bytes (the 4-byte aligned window cp.async copies around the tile's first row).
+constexpr int fp4_act_sf_bytes(int block_m, bool act_fp4) { return fp4_round_1k((act_fp4 ? 16 : 8) * (block_m + 4)); }
 constexpr int fp4_stage_bytes(int block_m, bool act_fp4) {
-  return 256 * 128 + fp4_round_1k(block_m * (act_fp4 ? 128 : 256)) + 256 * 16 + fp4_round_1k(block_m * 16);
+  return 256 * 128 + fp4_round_1k(block_m * (act_fp4 ? 128 : 256)) + 256 * 16 + fp4_act_sf_bytes(block_m, act_fp4);
 }
 // Fixed part: two bf16 token tiles (block_m x 256 K x 2 bytes each; the epilogue reuses them), barriers,
 // alignment slack.

@@ -53,9 +53,9 @@ void launch_fp8_grouped_gemm(const GroupedGemmArgs& args, uint8_t* buffer, const
 struct Fp4GroupedGemmArgs {
   CUtensorMap tmap_weights;        // packed E2M1 [E * n, k / 2] bytes, box {128, 256}, 128B swizzle
   CUtensorMap tmap_acts;           // E4M3 [pool_rows, k] or packed E2M1 [pool_rows, k / 2], box {128, block_m}, 128B
-  CUtensorMap tmap_acts_sf;        // token scales [k / blk, pool_rows] bytes, box {block_m, 256 / blk}, no swizzle
   const uint8_t* weights_sf;       // [E * n, k / 32] UE8M0 (MXFP4) or [E * n, k / 16] UE4M3 (NVFP4)
   const float* weights_global_sf;  // [E] (NVFP4) or nullptr
+  const uint8_t* acts_sf;          // token scales [k / blk, pool_rows] bytes (K-block-major)
   const float* acts_global_sf;     // [pool_rows] (NVFP4 activations) or nullptr
   float* scratch;                  // L1 with NVFP4 activations: float32 [rows, n / 2]
   int n, k;
@@ -65,9 +65,6 @@ struct Fp4GroupedGemmArgs {
   float activation_clamp;  // < 0: no clamp
   bool fast_math;
 };
-// 2D tensor map over a row-major byte matrix [outer, inner], plain (unswizzled) boxes {box_inner, box_outer}.
-CUtensorMap make_tensor_map_2d_plain(const void* base, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
-                                     uint32_t box_inner, uint32_t box_outer);
 void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
                              int block_m, int num_sms, cudaStream_t stream);
 // NVFP4 activations into L2: the float32 SwiGLU rows in `scratch` [rows, intermediate] -> packed E2M1, UE4M3

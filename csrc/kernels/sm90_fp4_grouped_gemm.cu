@@ -1,5 +1,5 @@
-// Host side of the FP4 grouped GEMM (dispatch to the per-layer instantiation files, the unswizzled
-// tensor map of the token scales) and the NVFP4 requantization kernel between L1 and L2.
+// Host side of the FP4 grouped GEMM (dispatch to the per-layer instantiation files) and the NVFP4
+// requantization kernel between L1 and L2.
 #include <cuda.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -14,6 +14,7 @@ void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, co
   fp4::Params p;
   p.weights_sf = args.weights_sf;
   p.weights_global_sf = args.weights_global_sf;
+  p.acts_sf = args.acts_sf;
   p.acts_global_sf = args.acts_global_sf;
   p.scratch = args.scratch;
   p.buffer = buffer;
@@ -92,46 +93,6 @@ void launch_nvfp4_requant(const float* scratch, uint8_t* buffer, const layout::B
   blocks = blocks < 1 ? 1 : blocks > num_sms * 8 ? num_sms * 8 : blocks;
   launch_pdl(nvfp4_requant_kernel, dim3(blocks), dim3(kRequantThreads), 0, stream, scratch, buffer, layout);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
-}
-
-// ------------------------------------------------------------------------------------------------
-// Unswizzled tensor maps (token scales: K-block-major rows of pool_rows bytes)
-// ------------------------------------------------------------------------------------------------
-namespace {
-
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiledFn encode_tiled() {
-  static EncodeTiledFn fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status;
-    MEGAMOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                                        &status));
-    if (status != cudaDriverEntryPointSuccess || ptr == nullptr)
-      throw std::runtime_error("megamoe: cuTensorMapEncodeTiled is not available from the CUDA driver");
-    return reinterpret_cast<EncodeTiledFn>(ptr);
-  }();
-  return fn;
-}
-
-}  // namespace
-
-CUtensorMap make_tensor_map_2d_plain(const void* base, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
-                                     uint32_t box_inner, uint32_t box_outer) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {inner, outer};
-  const cuuint64_t strides[1] = {row_stride_bytes};
-  const cuuint32_t box[2] = {box_inner, box_outer};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw std::runtime_error("megamoe: cuTensorMapEncodeTiled (plain) failed with CUresult " + std::to_string(int(r)));
-  return map;
 }
 
 }  // namespace megamoe::kernels

@@ -9,8 +9,11 @@
 // scale) are applied, once, in the epilogue.
 //
 // Warp roles (384 threads): warpgroup 0 = producer: thread 0 issues the TMA loads (packed weights
-// 256 rows x 128 bytes = 256 K, 128B-swizzled; the token tile; the token scales), warp 1 copies the
-// weight block scales with cp.async (their rows are K/32 or K/16 bytes: too narrow for TMA).
+// 256 rows x 128 bytes = 256 K, 128B-swizzled; the token tile), warp 1 copies the block scales with
+// cp.async: the weights' (rows of K/32 or K/16 bytes: too narrow for TMA) and the tokens' (a 4-byte
+// aligned window of block_m + 4 bytes per K block around the tile's first row, which has any alignment).
+// NOTES: the token scales were a plain (unswizzled) TMA box first; that load stopped the H100 with an
+// illegal instruction (2026-11-22), so they take the same cp.async path as the weight scales.
 // Warpgroups 1-2 = consumers, each owning 128 weight rows = two 64-row slices (L1: gate chunk + up chunk).
 // Per stage the 256 consumer threads first convert the token tile to a 128B-swizzled bf16 tile (two
 // such tiles alternate), then each consumer decodes its weights from shared memory straight into the
@@ -55,6 +58,7 @@ constexpr int kScaleWordsBytes = 16;  // weight scale bytes per row per stage in
 struct Params {
   const uint8_t* weights_sf;       // [E * n, k / wblk] (UE8M0 per 32 or UE4M3 per 16)
   const float* weights_global_sf;  // [E] (NVFP4) or nullptr
+  const uint8_t* acts_sf;          // token scales [k / blk, pool_rows] bytes
   const float* acts_global_sf;     // [pool_rows] (NVFP4 activations) or nullptr
   float* scratch;                  // L1 with NVFP4 activations: float32 [rows, n / 2] SwiGLU outputs
   uint8_t* buffer;
@@ -69,7 +73,8 @@ struct Smem {
   static constexpr int kTileA = kBlockN * kBlockK / 2;
   static constexpr int kTileB = heuristics::fp4_round_1k(kBlockM * (kActFP4 ? 128 : 256));
   static constexpr int kTileSW = kBlockN * kScaleWordsBytes;
-  static constexpr int kTileSA = heuristics::fp4_round_1k(kBlockM * 16);
+  static constexpr int kSARow = kBlockM + 4;  // bytes per token-scale row (4-byte aligned window)
+  static constexpr int kTileSA = heuristics::fp4_act_sf_bytes(kBlockM, kActFP4);
   static constexpr int kStage = kTileA + kTileB + kTileSW + kTileSA;
   static constexpr int kTileBF = kBlockM * kBlockK * 2;  // one bf16 token tile
   template <int kStages>
@@ -152,7 +157,8 @@ __device__ __forceinline__ uint32_t act_factor_ue4m3_bf16x2(uint8_t b) {
 
 // One conversion unit of the token tile: token n, 128-K group g, quarter q (32 physical K) -> 16 bf16
 // pairs in the logical K order of the file comment, into the 128B-swizzled K-major bf16 tile
-// ([4 atoms of 64 K][kBlockM rows][128 bytes]).
+// ([4 atoms of 64 K][kBlockM rows][128 bytes]). sfa: the stage's token scales, rows of kBlockM + 4 bytes,
+// already offset to the tile's first row.
 template <int kBlockM, ActRecipe kRecipe>
 __device__ __forceinline__ void convert_token_unit(const uint8_t* raw, const uint8_t* sfa, uint8_t* bf, int n, int g,
                                                    int q) {
@@ -169,7 +175,7 @@ __device__ __forceinline__ void convert_token_unit(const uint8_t* raw, const uin
     const uint4 lo = *reinterpret_cast<const uint4*>(src + (((2 * q) ^ sw) << 4));
     const uint4 hi = *reinterpret_cast<const uint4*>(src + (((2 * q + 1) ^ sw) << 4));
     const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    const float f = act_factor_ue8m0_f32(sfa[(4 * g + q) * kBlockM + n]);
+    const float f = act_factor_ue8m0_f32(sfa[(4 * g + q) * (kBlockM + 4) + n]);
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
 #pragma unroll
@@ -188,10 +194,10 @@ __device__ __forceinline__ void convert_token_unit(const uint8_t* raw, const uin
     const uint32_t w[4] = {raw4.x, raw4.y, raw4.z, raw4.w};
     uint32_t f[2];
     if constexpr (kRecipe == ActRecipe::kMXFP4) {
-      f[0] = f[1] = act_factor_ue8m0_bf16x2(sfa[(4 * g + q) * kBlockM + n]);
+      f[0] = f[1] = act_factor_ue8m0_bf16x2(sfa[(4 * g + q) * (kBlockM + 4) + n]);
     } else {
-      f[0] = act_factor_ue4m3_bf16x2(sfa[(8 * g + 2 * q) * kBlockM + n]);
-      f[1] = act_factor_ue4m3_bf16x2(sfa[(8 * g + 2 * q + 1) * kBlockM + n]);
+      f[0] = act_factor_ue4m3_bf16x2(sfa[(8 * g + 2 * q) * (kBlockM + 4) + n]);
+      f[1] = act_factor_ue4m3_bf16x2(sfa[(8 * g + 2 * q + 1) * (kBlockM + 4) + n]);
     }
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
@@ -241,8 +247,7 @@ __device__ __forceinline__ void decode_weights(uint32_t (&a)[8][4], const uint8_
 template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_fp4_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
-                                 const __grid_constant__ CUtensorMap tmap_acts,
-                                 const __grid_constant__ CUtensorMap tmap_acts_sf, Params p) {
+                                 const __grid_constant__ CUtensorMap tmap_acts, Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
   using S = Smem<kBlockM, kActFP4>;
@@ -293,7 +298,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (threadIdx.x == 0) {
       ptx::prefetch_tensormap(&tmap_weights);
       ptx::prefetch_tensormap(&tmap_acts);
-      ptx::prefetch_tensormap(&tmap_acts_sf);
       ptx::grid_dependency_wait();
       ptx::launch_dependents();
       int stage = 0;
@@ -303,7 +307,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const int weight_row = t.expert * p.n + t.n_block * kBlockN;
         for (int kb = 0; kb < num_kblocks; ++kb) {
           const bool full_stage = (kb + 1) * kBlockK <= p.k;
-          uint32_t bytes = S::kTileA + kBlockM * kABlocks;
+          uint32_t bytes = S::kTileA;
           if constexpr (kActFP4) bytes += kBlockM * 128;
           else bytes += (full_stage ? 2 : 1) * kBlockM * 128;
           ptx::mbarrier_wait(&empty[stage], phase ^ 1);
@@ -316,14 +320,19 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             if (full_stage)
               ptx::tma_load_2d(tile_b(stage) + kBlockM * 128, &tmap_acts, &full[stage], kb * kBlockK + 128, t.row0);
           }
-          ptx::tma_load_2d(tile_sa(stage), &tmap_acts_sf, &full[stage], t.row0, kb * kABlocks);
           if (++stage == kNumStages) stage = 0, phase ^= 1;
         }
       }
     } else if (warp == 1) {
       // Weight block scales: rows of k / kWBlk bytes (4-byte multiples), kWWords words per row per stage.
+      // Token scales: kABlocks rows of pool_rows bytes per stage; words [row0 & ~3, row0 + kBlockM + 4).
       const int row_bytes = p.k / kWBlk;
+      const int act_blocks = p.k / kABlk;
+      const int64_t pool_rows = l.pool_rows;  // a multiple of 128: every window word is 4-byte aligned
       const int64_t total_rows = int64_t(num_experts) * p.n;
+      // The token scales come from the grid before this one (gather, or L1 for L2): wait for it as the
+      // TMA thread does (without this wait L2's scales raced with L1's epilogue and runs differed).
+      ptx::grid_dependency_wait();
       int stage = 0;
       uint32_t phase = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -338,6 +347,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             const int col = kb * (kBlockK / kWBlk) + 4 * word;
             if (weight_row + r < total_rows && col < row_bytes)
               ptx::cp_async_4(dst + r * kScaleWordsBytes + 4 * word, p.weights_sf + (weight_row + r) * row_bytes + col);
+          }
+          uint8_t* dst_a = tile_sa(stage);
+          constexpr int kSAWords = S::kSARow / 4;
+          const int first = t.row0 & ~3;
+#pragma unroll 1
+          for (int i = lane; i < kABlocks * kSAWords; i += 32) {
+            const int r = i / kSAWords, word = i % kSAWords;
+            const int blk = kb * kABlocks + r, row = first + 4 * word;
+            if (blk < act_blocks && row < pool_rows)
+              ptx::cp_async_4(dst_a + r * S::kSARow + 4 * word, p.acts_sf + blk * pool_rows + row);
           }
           ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
           if (++stage == kNumStages) stage = 0, phase ^= 1;
@@ -375,7 +394,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // waited for its wgmmas before reaching the barrier of stage kb - 1.
       for (int u = ctid; u < kBlockM * 8; u += kNumConsumerThreads) {
         const int n = u / 8, g = (u / 4) % 2, uq = u % 4;
-        if (g < groups) convert_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage), bf, n, g, uq);
+        if (g < groups)
+          convert_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage) + (t.row0 & 3), bf, n, g, uq);
       }
       ptx::fence_proxy_async_shared();
       ptx::named_barrier_sync(1, kNumConsumerThreads);
@@ -571,8 +591,7 @@ void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cu
   std::call_once(once, [&] {
     MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
   });
-  launch_pdl(kernel, dim3(num_sms), dim3(kNumThreads), kBytes, stream, a.tmap_weights, a.tmap_acts, a.tmap_acts_sf,
-             p);
+  launch_pdl(kernel, dim3(num_sms), dim3(kNumThreads), kBytes, stream, a.tmap_weights, a.tmap_acts, p);
 }
 
 // Every (block_m, activation recipe) of one layer and weight format.

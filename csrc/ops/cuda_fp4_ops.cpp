@@ -44,7 +44,6 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   uint8_t* buf = buffer_ptr(buffer);
   const uint64_t e = l.num_local_experts, h = l.hidden, inter = l.intermediate, rows = l.pool_rows;
   const auto bm = static_cast<uint32_t>(cfg.block_m);
-  const int act_blk = recipe == ActRecipe::kNVFP4 ? 16 : 32;  // token scale block along K
   const bool nv_acts = recipe == ActRecipe::kNVFP4;
 
   // The L2 input of NVFP4 activations has a per-row global scale over the whole I row: L1 stores float32
@@ -69,8 +68,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   kernels::Fp4GroupedGemmArgs g1;
   g1.tmap_weights = kernels::make_tensor_map_2d(l1_weights.data_ptr(), h / 2, e * 2 * inter, h / 2, 128, 256);
   g1.tmap_acts = kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, l.token_bytes, rows, l.token_bytes, 128, bm);
-  g1.tmap_acts_sf = kernels::make_tensor_map_2d_plain(buf + l.dispatch_sf_offset, rows, h / act_blk, rows, bm,
-                                                      256 / act_blk);
+  g1.acts_sf = buf + l.dispatch_sf_offset;
   g1.weights_sf = static_cast<const uint8_t*>(l1_weights_sf.data_ptr());
   g1.weights_global_sf = global_ptr(l1_weights_global_sf);
   g1.acts_global_sf = nv_acts ? reinterpret_cast<const float*>(buf + l.dispatch_global_sf_offset) : nullptr;
@@ -89,8 +87,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   kernels::Fp4GroupedGemmArgs g2 = g1;
   g2.tmap_weights = kernels::make_tensor_map_2d(l2_weights.data_ptr(), inter / 2, e * h, inter / 2, 128, 256);
   g2.tmap_acts = kernels::make_tensor_map_2d(buf + l.pool_offset, l.pool_row_bytes, rows, l.pool_row_bytes, 128, bm);
-  g2.tmap_acts_sf = kernels::make_tensor_map_2d_plain(buf + l.pool_sf_offset, rows, inter / act_blk, rows, bm,
-                                                      256 / act_blk);
+  g2.acts_sf = buf + l.pool_sf_offset;
   g2.weights_sf = static_cast<const uint8_t*>(l2_weights_sf.data_ptr());
   g2.weights_global_sf = global_ptr(l2_weights_global_sf);
   g2.acts_global_sf = nv_acts ? reinterpret_cast<const float*>(buf + l.pool_global_sf_offset) : nullptr;
