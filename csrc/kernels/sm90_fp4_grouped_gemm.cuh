@@ -11,13 +11,17 @@
 // Warp roles (384 threads): warpgroup 0 = producer: thread 0 issues the TMA loads (packed weights
 // 256 rows x 128 bytes = 256 K, 128B-swizzled; the token tile), warp 1 copies the block scales with
 // cp.async: the weights' (rows of K/32 or K/16 bytes: too narrow for TMA) and the tokens' (a 4-byte
-// aligned window of block_m + 4 bytes per K block around the tile's first row, which has any alignment).
+// aligned window of block_m + 4 bytes per K block around the tile's first row, which has any alignment),
+// warps 2-3 convert each stage's token tile into a 128B-swizzled bf16 tile (a ring of two).
 // NOTES: the token scales were a plain (unswizzled) TMA box first; that load stopped the H100 with an
 // illegal instruction (2026-11-22), so they take the same cp.async path as the weight scales.
 // Warpgroups 1-2 = consumers, each owning 128 weight rows = two 64-row slices (L1: gate chunk + up chunk).
-// Per stage the 256 consumer threads first convert the token tile to a 128B-swizzled bf16 tile (two
-// such tiles alternate), then each consumer decodes its weights from shared memory straight into the
-// wgmma A fragment (registers) and issues m64nNk16 wgmmas whose B descriptor points at the bf16 tile.
+// Each consumer decodes its weights from shared memory straight into the wgmma A fragment (registers)
+// and issues m64nNk16 wgmmas whose B descriptor points at the bf16 tile. The consumers never wait for
+// each other in the main loop (mbarriers only), and keep one wgmma group in flight across stages.
+// NOTES: v1 had the consumers convert the token tile themselves, then a named barrier, then their
+// wgmmas, then a full wgmma wait every stage; that lock step left the schedulers idle half the time
+// (ncu, H100, V4-Flash T=16: 0.52 issued warps per scheduler per cycle, DRAM at 52%).
 //
 // K order. A dot product does not depend on the order of K, so the kernel uses its own order inside
 // each 128-K group, the same for A and B: thread q = lane % 4 of a fragment row owns the 32 contiguous
@@ -53,6 +57,8 @@ constexpr int kBlockN = 256;  // weight rows per tile
 constexpr int kBlockK = 256;  // K per stage (128 packed bytes per weight row)
 constexpr int kNumThreads = 384;
 constexpr int kNumConsumerThreads = 256;
+constexpr int kNumConverterWarps = 2;  // producer warps 2-3
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 x 56 + 256 x 224 = 384 x 168
 constexpr int kScaleWordsBytes = 16;  // weight scale bytes per row per stage in shared memory
 
 struct Params {
@@ -244,6 +250,14 @@ __device__ __forceinline__ void decode_weights(uint32_t (&a)[8][4], const uint8_
   }
 }
 
+// Keeps a wgmma A fragment in its registers up to this point (see the consumer loop).
+__device__ __forceinline__ void fence_fragment(uint32_t (&a)[8][4]) {
+#pragma unroll
+  for (int s = 0; s < 8; ++s)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) ptx::fence_operand(a[s][r]);
+}
+
 template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_fp4_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
@@ -260,11 +274,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   static_assert(kBlockM % 16 == 0 && kBlockM <= 64, "token block must be 16, 32 or 64");
 
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Offset arithmetic on the __shared__ array (not an integer round trip) keeps the address space known to
+  // the compiler: shared-memory loads and stores (LDS/STS), not generic ones (LD/ST, long-scoreboard waits).
+  uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* stages = smem;
   uint8_t* bf_tiles = smem + kNumStages * S::kStage;  // two bf16 token tiles, then reused by the epilogue
   uint64_t* full = reinterpret_cast<uint64_t*>(bf_tiles + 2 * S::kTileBF);
   uint64_t* empty = full + kNumStages;
+  uint64_t* bf_full = empty + kNumStages;  // [2] a bf16 token tile is written
+  uint64_t* bf_empty = bf_full + 2;        // [2] its wgmmas (and, after a tile's last stage, the epilogue) are done
   auto tile_a = [&](int s) { return stages + s * S::kStage; };
   auto tile_b = [&](int s) { return stages + s * S::kStage + S::kTileA; };
   auto tile_sw = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB; };
@@ -285,7 +303,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
       ptx::mbarrier_init(&full[s], 1 + 32);  // TMA thread + the 32 scale-copy lanes
-      ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32);
+      ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32 + kNumConverterWarps);
+    }
+    for (int b = 0; b < 2; ++b) {
+      ptx::mbarrier_init(&bf_full[b], kNumConverterWarps * 32);
+      ptx::mbarrier_init(&bf_empty[b], kNumConsumerThreads / 32);
     }
     ptx::fence_barrier_init();
   }
@@ -293,7 +315,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (warpgroup == 0) {
     // ======================================================================== producer
-    ptx::setmaxnreg_dec<40>();
+    ptx::setmaxnreg_dec<kProducerRegs>();
     const int warp = threadIdx.x / 32;
     if (threadIdx.x == 0) {
       ptx::prefetch_tensormap(&tmap_weights);
@@ -363,12 +385,38 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       }
       ptx::cp_async_wait_all();
+    } else if (warp >= 2) {
+      // Token tile -> bf16 tile b (a ring of two). Tile b is free once every consumer warp has finished
+      // the wgmmas that read it; the stage is released to the producer once its token part is converted.
+      const int ctid = threadIdx.x - 64;  // 0..63
+      int stage = 0, b = 0;
+      uint32_t phase = 0, bphase = 0;
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+        for (int kb = 0; kb < num_kblocks; ++kb) {
+          const int groups = (kb + 1) * kBlockK <= p.k ? 2 : 1;  // 128-K groups in this stage
+          uint8_t* bf = bf_tiles + b * S::kTileBF;
+          ptx::mbarrier_wait(&bf_empty[b], bphase ^ 1);
+          ptx::mbarrier_wait(&full[stage], phase);
+          for (int u = ctid; u < kBlockM * 8; u += kNumConverterWarps * 32) {
+            const int n = u / 8, g = (u / 4) % 2, uq = u % 4;
+            if (g < groups)
+              convert_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage) + (t.row0 & 3), bf, n, g, uq);
+          }
+          ptx::fence_proxy_async_shared();  // generic-proxy writes -> the wgmmas (async proxy)
+          ptx::mbarrier_arrive(&bf_full[b]);
+          __syncwarp();
+          if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
+          if (++stage == kNumStages) stage = 0, phase ^= 1;
+          if (++b == 2) b = 0, bphase ^= 1;
+        }
+      }
     }
     return;
   }
 
   // ========================================================================== consumers
-  ptx::setmaxnreg_inc<232>();
+  ptx::setmaxnreg_inc<kConsumerRegs>();
   ptx::grid_dependency_wait();  // token tiles, scales and routing rows come from earlier kernels
   ptx::launch_dependents();
   const int consumer = warpgroup - 1;                 // owns weight rows [128 c, 128 c + 128) of the tile
@@ -376,71 +424,71 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int ctid = threadIdx.x - 128;                 // 0..255 over both consumers
   const int q = lane % 4;
   const int quad_row = warp * 16 + lane / 4;          // this thread's first row in a 64-row slice
-  int stage = 0;
-  uint32_t phase = 0;
+  int stage = 0, b = 0;
+  uint32_t phase = 0, bphase = 0;
 
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
     float acc0[kRegs], acc1[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
+    uint32_t a[8][4];  // the A fragments of one (128-K group, 64-row slice): 8 k16 steps
+    int prev_b = 0;
+    uint8_t* bf = bf_tiles;
 
     for (int kb = 0; kb < num_kblocks; ++kb) {
       const int groups = (kb + 1) * kBlockK <= p.k ? 2 : 1;  // 128-K groups in this stage
-      uint8_t* bf = bf_tiles + (kb % 2) * S::kTileBF;
+      bf = bf_tiles + b * S::kTileBF;
       ptx::mbarrier_wait(&full[stage], phase);
-
-      // ---- token tile -> bf16 (both consumers); the bf16 tile of stage kb - 2 is free: every consumer
-      // waited for its wgmmas before reaching the barrier of stage kb - 1.
-      for (int u = ctid; u < kBlockM * 8; u += kNumConsumerThreads) {
-        const int n = u / 8, g = (u / 4) % 2, uq = u % 4;
-        if (g < groups)
-          convert_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage) + (t.row0 & 3), bf, n, g, uq);
-      }
-      ptx::fence_proxy_async_shared();
-      ptx::named_barrier_sync(1, kNumConsumerThreads);
-
-      // ---- weights: decode (g, slice) groups into two alternating register sets, 8 wgmmas each
-      uint32_t frag[2][8][4];
+      ptx::mbarrier_wait(&bf_full[b], bphase);
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int g = j / 2, slice = j % 2;
         if (g >= groups) break;
-        if (j >= 2) ptx::wgmma_wait<1>();  // group j - 2 (same registers) has finished
-        auto& a = frag[j % 2];
+        // NOTES: a warp writes A-fragment registers only when none of its wgmmas is in flight. ptxas
+        // serializes every wgmma (a WARPGROUP.DEPBAR after each HGMMA, warning C7513) as soon as a wgmma input
+        // register is written while an earlier wgmma may run, even a register of a later group and with the
+        // wgmma that read it retired (tried: two alternating fragment sets behind wait_group 1). Waiting here
+        // costs one wgmma latency per 8 wgmmas; the other consumer warpgroup decodes meanwhile.
+        if (kb > 0 || j > 0) ptx::wgmma_wait<0>();
+        if (j == 0 && kb > 0) {
+          // Every wgmma of the previous stage has finished (waited above): its bf16 tile is free.
+          __syncwarp();
+          if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
+        }
         decode_weights<kNV>(a, tile_a(stage), tile_sw(stage), consumer * 128 + slice * 64 + quad_row, g, q);
-#pragma unroll
-        for (int s = 0; s < 8; ++s)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) ptx::fence_operand(a[s][r]);
-        ptx::wgmma_fence();
+        uint64_t desc_b[8];
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
           const int step = 8 * g + s;
-          const uint64_t desc_b = ptx::make_smem_desc_sw128(bf + (step / 4) * kBlockM * 128 + (step % 4) * 32);
-          if (slice == 0) Mma::run(acc0, a[s], desc_b);
-          else Mma::run(acc1, a[s], desc_b);
+          desc_b[s] = ptx::make_smem_desc_sw128(bf + (step / 4) * kBlockM * 128 + (step % 4) * 32);
+        }
+        fence_fragment(a);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          if (slice == 0) Mma::run(acc0, a[s], desc_b[s]);
+          else Mma::run(acc1, a[s], desc_b[s]);
         }
         ptx::wgmma_commit();
       }
-      // Every shared-memory read of this stage is done (weights were decoded into registers).
+      // The stage's weights and weight scales are in registers now: the producer may refill it.
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
       if (++stage == kNumStages) stage = 0, phase ^= 1;
-      ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) ptx::fence_operand(frag[0][s][r]), ptx::fence_operand(frag[1][s][r]);
+      prev_b = b;
+      if (++b == 2) b = 0, bphase ^= 1;
     }
+    ptx::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
+    // The last stage's bf16 tile is the epilogue's scratch; it is released at the end of the epilogue.
+    uint8_t* epi = bf;
 
     // ======================================================================== epilogue
-    // The bf16 token tiles become the epilogue's scratch once both consumers are past their wgmmas.
-    ptx::named_barrier_sync(1, kNumConsumerThreads);
+    ptx::named_barrier_sync(1, kNumConsumerThreads);  // both consumers' wgmmas on `epi` have finished
     // Float32 factors: NVFP4 weight global scale (per expert) x NVFP4 token global scale (per row).
     const float gw = p.weights_global_sf != nullptr ? __ldg(p.weights_global_sf + t.expert) : 1.0f;
     float col_f[kBlockM / 4];
@@ -483,8 +531,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       } else {
         // Per-token amax over each 32 outputs (two warps of a consumer): registers, lanes sharing a column
         // (xor 4, 8, 16), then shared memory.
-        float* amax_smem = reinterpret_cast<float*>(bf_tiles);             // [8 warps][kBlockM]
-        uint8_t* out_tile = bf_tiles + 8 * kBlockM * 4;                    // [kBlockM][128] codes / E4M3
+        float* amax_smem = reinterpret_cast<float*>(epi);             // [8 warps][kBlockM]
+        uint8_t* out_tile = epi + 8 * kBlockM * 4;                    // [kBlockM][128] codes / E4M3
 #pragma unroll
         for (int j = 0; j < kBlockM / 4; ++j) {
           const int i0 = (j / 2) * 4 + (j % 2);
@@ -549,7 +597,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     } else {
       // L2: bf16 rows into the combine area of the token's rank at (token, slot) (NVLink stores for a peer).
-      __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(bf_tiles);  // [kBlockM][256]
+      __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epi);  // [kBlockM][256]
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) {
         const int j = (i / 4) * 2 + (i % 2);
@@ -573,6 +621,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     }
+    // Both consumers are past the epilogue's last read of `epi` (the barrier above): the converters may refill it.
+    if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
   }
 #else
   __trap();  // built for a GPU without wgmma: the host never launches this

@@ -88,7 +88,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   extern __shared__ uint8_t smem_raw[];
   // 128B-swizzled TMA tiles need 1024-byte alignment.
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Offset arithmetic on the __shared__ array (not an integer round trip) keeps the address space known to
+  // the compiler: shared-memory loads and stores (LDS/STS), not generic ones (LD/ST, long-scoreboard waits).
+  uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* tile_a = smem;
   uint8_t* tile_b = tile_a + kNumStages * Smem::kTileA;
   uint8_t* epilogue = tile_b + kNumStages * Smem::kTileB;
