@@ -52,6 +52,8 @@ nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
               "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
 
 sources = _sources("csrc/**/*.cpp")
+if not use_cuda:  # the CUDA registrations (csrc/ops/cuda_*.cpp) include the CUDA runtime headers
+    sources = [s for s in sources if not os.path.basename(s).startswith("cuda_")]
 define_macros = []
 if use_cuda:
     sources += _sources("csrc/**/*.cu")

@@ -23,6 +23,7 @@ void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, co
   p.k = args.k;
   p.activation_clamp = args.activation_clamp;
   p.fast_math = args.fast_math;
+  p.wide_scale_copies = args.k % 256 == 0 && reinterpret_cast<uintptr_t>(args.weights_sf) % 16 == 0;
   const bool nv = args.weight_format == WeightFormat::kNVFP4;
   if (args.is_l1) {
     if (nv) fp4::launch_l1_nvfp4(args, p, block_m, num_sms, stream);

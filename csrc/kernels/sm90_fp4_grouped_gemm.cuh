@@ -72,6 +72,7 @@ struct Params {
   int n, k;
   float activation_clamp;  // < 0: none
   bool fast_math;
+  bool wide_scale_copies;  // k % 256 == 0 and weights_sf 16-byte aligned: one copy per scale row and stage
 };
 
 template <int kBlockM, bool kActFP4>
@@ -363,12 +364,26 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         for (int kb = 0; kb < num_kblocks; ++kb) {
           ptx::mbarrier_wait(&empty[stage], phase ^ 1);
           uint8_t* dst = tile_sw(stage);
+          if (p.wide_scale_copies && (kb + 1) * kBlockK <= p.k) {
+            // One 8-byte (MXFP4) or 16-byte (NVFP4) copy per row: a quarter of the 4-byte copies, whose
+            // count made this warp the limiter for NVFP4 (1,024 per stage).
+            const int col = kb * (kBlockK / kWBlk);
 #pragma unroll 1
-          for (int i = lane; i < kBlockN * kWWords; i += 32) {
-            const int r = i / kWWords, word = i % kWWords;
-            const int col = kb * (kBlockK / kWBlk) + 4 * word;
-            if (weight_row + r < total_rows && col < row_bytes)
-              ptx::cp_async_4(dst + r * kScaleWordsBytes + 4 * word, p.weights_sf + (weight_row + r) * row_bytes + col);
+            for (int r = lane; r < kBlockN; r += 32) {
+              if (weight_row + r >= total_rows) break;
+              const uint8_t* src = p.weights_sf + (weight_row + r) * row_bytes + col;
+              if constexpr (kWWords == 4) ptx::cp_async_16(dst + r * kScaleWordsBytes, src);
+              else ptx::cp_async_8(dst + r * kScaleWordsBytes, src);
+            }
+          } else {
+#pragma unroll 1
+            for (int i = lane; i < kBlockN * kWWords; i += 32) {
+              const int r = i / kWWords, word = i % kWWords;
+              const int col = kb * (kBlockK / kWBlk) + 4 * word;
+              if (weight_row + r < total_rows && col < row_bytes)
+                ptx::cp_async_4(dst + r * kScaleWordsBytes + 4 * word,
+                                p.weights_sf + (weight_row + r) * row_bytes + col);
+            }
           }
           uint8_t* dst_a = tile_sa(stage);
           constexpr int kSAWords = S::kSARow / 4;

@@ -258,6 +258,12 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
+__device__ __forceinline__ void cp_async_8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
 // Arrives on `bar` once every earlier cp.async of this thread has completed; the arrival counts toward
 // the barrier's expected count (set at init).
 __device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* bar) {
