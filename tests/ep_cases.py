@@ -7,6 +7,10 @@ computes a row (K order, promotion and requantization are per element; combine s
 Run directly on a multi-GPU machine::
 
     python -m torch.distributed.run --nproc-per-node 2 tests/ep_cases.py [--shapes small,flash]
+        [--formats fp8:fp8,mxfp4:fp8,mxfp4:fp4,nvfp4:fp8,nvfp4:fp4]
+
+``--formats`` lists (weight format, activation format) pairs; FP4 pairs run every check except the module
+one (its FP4 checkpoint loading is covered on one GPU).
 
 or through ``tests/test_ep.py`` (pytest spawns the processes).
 """
@@ -38,18 +42,27 @@ def log(msg: str) -> None:
 
 
 class Layer:
-    """One global FP8 layer (identical on every rank: same seeds), its kernel-layout weights, and this
-    rank's slice of experts."""
+    """One global layer (identical on every rank: same seeds) in ``weight_format``, its kernel-layout
+    weights, and this rank's slice of experts."""
 
-    def __init__(self, shape: str, device: torch.device):
+    def __init__(self, shape: str, device: torch.device, weight_format: str = "fp8", act_format: str = "fp8"):
         self.num_experts, self.hidden, self.intermediate, self.top_k = SHAPES[shape]
+        self.weight_format, self.act_format = weight_format, act_format
         rank, world = dist.get_rank(), dist.get_world_size()
-        gen = torch.Generator(device=device).manual_seed(1234)
         e, h, i = self.num_experts, self.hidden, self.intermediate
-        self.w13, self.w13_sf = reference.make_fp8_block_weights(e, 2 * i, h, generator=gen, device=device)
-        self.w2, self.w2_sf = reference.make_fp8_block_weights(e, h, i, generator=gen, device=device)
-        self.l1 = megamoe.transform_weights(self.w13, self.w13_sf, weight_format="fp8", is_l1=True)
-        self.l2 = megamoe.transform_weights(self.w2, self.w2_sf, weight_format="fp8", is_l1=False)
+        self.w13_global_sf = self.w2_global_sf = None
+        if weight_format == "fp8":
+            gen = torch.Generator(device=device).manual_seed(1234)
+            self.w13, self.w13_sf = reference.make_fp8_block_weights(e, 2 * i, h, generator=gen, device=device)
+            self.w2, self.w2_sf = reference.make_fp8_block_weights(e, h, i, generator=gen, device=device)
+        else:
+            t = reference.make_random_layer(e, h, i, weight_format, seed=1234, device=device)
+            self.w13, self.w13_sf, self.w13_global_sf = t["w13"], t["w13_sf"], t["w13_global_sf"]
+            self.w2, self.w2_sf, self.w2_global_sf = t["w2"], t["w2_sf"], t["w2_global_sf"]
+        self.l1 = megamoe.transform_weights(self.w13, self.w13_sf, self.w13_global_sf, weight_format=weight_format,
+                                            is_l1=True)
+        self.l2 = megamoe.transform_weights(self.w2, self.w2_sf, self.w2_global_sf, weight_format=weight_format,
+                                            is_l1=False)
         self.num_local = e // world
         lo, hi = rank * self.num_local, (rank + 1) * self.num_local
         self.l1_local = tuple(t[lo:hi].contiguous() for t in self.l1)
@@ -77,8 +90,19 @@ class Layer:
     def ep1(self, x, idx, w) -> torch.Tensor:
         """The single-GPU result of the global batch (all experts, a plain buffer)."""
         buf = megamoe.get_symm_buffer(None, self.num_experts, max(x.shape[0], 1), self.top_k, self.hidden,
-                                      self.intermediate, device=self.device)
-        return megamoe.moe(x, idx, w, self.l1, self.l2, buf, check=True)
+                                      self.intermediate, act_format=self.act_format, device=self.device)
+        return megamoe.moe(x, idx, w, self.l1, self.l2, buf, weight_format=self.weight_format, check=True)
+
+    def moe(self, x, idx, w, buf, **kw) -> torch.Tensor:
+        """This rank's call of the fused layer on its own tokens."""
+        return megamoe.moe(x, idx, w, self.l1_local, self.l2_local, buf, weight_format=self.weight_format, **kw)
+
+    def fused(self, y, buf) -> None:
+        """The fused op alone (after pre_dispatch), into y."""
+        if self.weight_format == "fp8":
+            megamoe.fp8_mega_moe(y, self.l1_local, self.l2_local, buf)
+        else:
+            megamoe.fp8_fp4_mega_moe(y, self.l1_local, self.l2_local, buf, weight_format=self.weight_format)
 
 
 def my_rows(counts: list[int], t: torch.Tensor) -> torch.Tensor:
@@ -98,19 +122,20 @@ def check_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 def run_case(layer: Layer, buf, name: str, counts: list[int], seed: int, **batch_kw) -> None:
     x, idx, w = layer.batch(counts, seed, **batch_kw)
     want = my_rows(counts, layer.ep1(x, idx, w))
-    got = megamoe.moe(my_rows(counts, x), my_rows(counts, idx), my_rows(counts, w), layer.l1_local,
-                      layer.l2_local, buf, check=True)
+    got = layer.moe(my_rows(counts, x), my_rows(counts, idx), my_rows(counts, w), buf, check=True)
     check_equal(name, got, want)
 
 
-def check_shape(shape: str, device: torch.device, *, stress_calls: int) -> None:
+def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_format: str = "fp8",
+                act_format: str = "fp8") -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     t0 = time.time()
-    layer = Layer(shape, device)
+    layer = Layer(shape, device, weight_format, act_format)
     cap = 64 if shape == "flash" else 400
     buf = megamoe.get_symm_buffer(dist.group.WORLD, layer.num_experts, cap, layer.top_k, layer.hidden,
-                                  layer.intermediate, device=device)
+                                  layer.intermediate, act_format=act_format, device=device)
     torch.cuda.synchronize()
+    shape = f"{shape} {weight_format}/a{act_format}"
     log(f"[{shape}] layer and buffer ready in {time.time() - t0:.1f} s")
     nl = layer.num_local
     uneven = [(37 * r + 5) % cap for r in range(world)]
@@ -132,18 +157,17 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int) -> None:
     # Against the emulating float reference as well (not only against EP=1).
     counts = [min(cap, 9 + r) for r in range(world)]
     x, idx, w = layer.batch(counts, 7, masked_fraction=0.2)
-    got = megamoe.moe(my_rows(counts, x), my_rows(counts, idx), my_rows(counts, w), layer.l1_local, layer.l2_local,
-                      buf, check=True)
+    got = layer.moe(my_rows(counts, x), my_rows(counts, idx), my_rows(counts, w), buf, check=True)
     ref = reference.mega_moe(my_rows(counts, x), my_rows(counts, idx), my_rows(counts, w), layer.w13, layer.w2,
-                             w13_sf=layer.w13_sf, w2_sf=layer.w2_sf)
+                             weight_format=weight_format, act_format=act_format, w13_sf=layer.w13_sf,
+                             w2_sf=layer.w2_sf, w13_global_sf=layer.w13_global_sf, w2_global_sf=layer.w2_global_sf)
     err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
     assert torch.isfinite(got).all() and err <= 1e-2, f"rank {rank}: EP vs reference rel err {err:.3e}"
     log(f"[{shape}] vs float reference: rel err {err:.2e} (rank 0)")
 
     # Repeated calls: the flags of one call never satisfy the next.
     x, idx, w = layer.batch(uneven, 42)
-    ys = [megamoe.moe(my_rows(uneven, x), my_rows(uneven, idx), my_rows(uneven, w), layer.l1_local, layer.l2_local,
-                      buf) for _ in range(3)]
+    ys = [layer.moe(my_rows(uneven, x), my_rows(uneven, idx), my_rows(uneven, w), buf) for _ in range(3)]
     for y in ys[1:]:
         check_equal("repeated call", y, ys[0])
     check_equal("repeated call vs EP=1", ys[0], my_rows(uneven, layer.ep1(x, idx, w)))
@@ -158,8 +182,8 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int) -> None:
     sy = torch.full((t, layer.hidden), float("nan"), dtype=torch.bfloat16, device=device)
 
     def step():
-        megamoe.pre_dispatch(sx, sidx, sw, buf)
-        megamoe.fp8_mega_moe(sy, layer.l1_local, layer.l2_local, buf)
+        megamoe.pre_dispatch(sx, sidx, sw, buf, weight_format=weight_format)
+        layer.fused(sy, buf)
 
     step()  # warm-up outside capture
     torch.cuda.synchronize()
@@ -178,6 +202,8 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int) -> None:
 
     # The module (DESIGN.md §8) with the EP group: checkpoint shards of every expert offered to each rank's
     # weight_loader (only local ones are taken), finalize, forward: equal to EP=1 as well.
+    if weight_format != "fp8":
+        return _stress(layer, buf, shape, cap, stress_calls, t0)
     module = megamoe.MegaMoEExperts(
         megamoe.MegaMoEConfig(max_tokens_per_rank=cap, group=dist.group.WORLD), num_experts=layer.num_experts,
         num_local_experts=nl, experts_start_idx=rank * nl, top_k=layer.top_k, hidden_size=layer.hidden,
@@ -202,7 +228,11 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int) -> None:
     check_equal("MegaMoEExperts with the EP group", got, my_rows(counts, layer.ep1(x, idx, w)))
     log(f"[{shape}] MegaMoEExperts with the EP group: bitwise equal to EP=1")
     del module
+    _stress(layer, buf, shape, cap, stress_calls, t0)
 
+
+def _stress(layer: Layer, buf, shape: str, cap: int, stress_calls: int, t0: float) -> None:
+    world = dist.get_world_size()
     # Many consecutive calls with random token counts per rank (all ranks draw the same sequence, so each
     # knows the global batch); the last one is checked in full, the error word every 100 calls.
     gen = torch.Generator().manual_seed(99)
@@ -210,8 +240,7 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int) -> None:
     for it in range(stress_calls):
         counts = torch.randint(0, cap + 1, (world,), generator=gen).tolist()
         x, idx, w = layer.batch(counts, 1000 + it)
-        y = megamoe.moe(my_rows(counts, x), my_rows(counts, idx), my_rows(counts, w), layer.l1_local,
-                        layer.l2_local, buf, check=(it % 100 == 99))
+        y = layer.moe(my_rows(counts, x), my_rows(counts, idx), my_rows(counts, w), buf, check=(it % 100 == 99))
     torch.cuda.synchronize()
     if stress_calls:
         check_equal("last stress call", y, my_rows(counts, layer.ep1(x, idx, w)))
@@ -224,6 +253,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="small,flash")
     parser.add_argument("--stress-calls", type=int, default=1000)
+    parser.add_argument("--formats", default="fp8:fp8",
+                        help="comma list of weight_format:act_format pairs (fp8:fp8, mxfp4:fp8, nvfp4:fp4, ...)")
     parser.add_argument("--watchdog-s", type=float, default=280.0,
                         help="dump every thread's stack and exit if the run takes longer (a hang)")
     args = parser.parse_args(argv)
@@ -233,8 +264,11 @@ def main(argv=None) -> int:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     try:
-        for shape in args.shapes.split(","):
-            check_shape(shape, device, stress_calls=args.stress_calls if shape == "small" else 100)
+        for pair in args.formats.split(","):
+            wf, af = pair.split(":")
+            for shape in args.shapes.split(","):
+                check_shape(shape, device, stress_calls=args.stress_calls if shape == "small" else 100,
+                            weight_format=wf, act_format=af)
         dist.barrier()
         log(f"EP={world}: all checks passed")
     finally:

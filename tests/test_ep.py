@@ -1,7 +1,8 @@
 """Expert parallelism on several GPUs: spawns one process per GPU running tests/ep_cases.py.
 
 Skipped unless at least 2 GPUs are visible. ``MEGAMOE_EP_RANKS`` picks the number of ranks (default: 2);
-``MEGAMOE_EP_SHAPES`` the shapes (default: small, which includes 1,000 consecutive calls).
+``MEGAMOE_EP_SHAPES`` the shapes (default: small, which includes 1,000 consecutive calls);
+``MEGAMOE_EP_FORMATS`` the (weight, activation) format pairs (default: fp8:fp8; e.g. mxfp4:fp8,nvfp4:fp4).
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def test_ep_matches_single_gpu():
     world = int(os.environ.get("MEGAMOE_EP_RANKS", "2"))
     if world > NUM_GPUS:
         pytest.skip(f"MEGAMOE_EP_RANKS={world} but only {NUM_GPUS} GPUs")
-    argv = ["--shapes", os.environ.get("MEGAMOE_EP_SHAPES", "small"), "--stress-calls", "1000"]
+    argv = ["--shapes", os.environ.get("MEGAMOE_EP_SHAPES", "small"), "--stress-calls", "1000",
+            "--formats", os.environ.get("MEGAMOE_EP_FORMATS", "fp8:fp8")]
     ctx = mp.start_processes(_worker, args=(world, _free_port(), argv), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.time() + TIMEOUT_S
