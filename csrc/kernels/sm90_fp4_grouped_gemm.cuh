@@ -90,36 +90,6 @@ struct Smem {
   }
 };
 
-// Finds the tile's expert by binary search over the cumulative token blocks.
-__device__ __forceinline__ int find_expert(const int* tile_offset, int num_experts, int num_nblocks, int tile) {
-  int lo = 0, hi = num_experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (__ldcg(tile_offset + mid) * num_nblocks <= tile) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-
-struct TileInfo {
-  int expert, m_block, n_block, row0, rows;
-};
-
-__device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_offset, const int* expert_offset,
-                                                int num_experts, int num_nblocks, int block_m) {
-  TileInfo t;
-  t.expert = find_expert(tile_offset, num_experts, num_nblocks, tile);
-  const int first_block = __ldcg(tile_offset + t.expert);
-  const int m_blocks = __ldcg(tile_offset + t.expert + 1) - first_block;
-  const int local = tile - first_block * num_nblocks;
-  // Token blocks innermost: CTAs running side by side share a weight tile, which L2 then serves.
-  t.n_block = local / m_blocks;
-  t.m_block = local % m_blocks;
-  t.row0 = __ldcg(expert_offset + t.expert) + t.m_block * block_m;
-  t.rows = min(block_m, __ldcg(expert_offset + t.expert + 1) - t.row0);
-  return t;
-}
-
 // Nibbles p and p + 4 of `w` -> a bf16 pair (low half: nibble p) holding e2m1 x 2^-126: magnitude bits
 // to bf16 bits 6-8 (exponent bits 7-8, mantissa bit 6; exponent 0 = the E2M1 subnormal 0.5), sign to 15.
 template <int p>
