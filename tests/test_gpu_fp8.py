@@ -13,8 +13,6 @@ fluctuate around that mean (up to 2.1 % seen with 2 rows), so the sweep checks e
 """
 from __future__ import annotations
 
-import math
-import os
 import random
 
 import pytest
@@ -22,7 +20,7 @@ import torch
 
 import megamoe
 from megamoe import reference
-from conftest import CUDA_MARKS, make_case, rel_err
+from conftest import SWEEP_SEED, CUDA_MARKS, SweepPool, make_case, rel_err, skew_first_slot
 
 pytestmark = list(CUDA_MARKS)
 TOL = 1e-2
@@ -213,10 +211,7 @@ def _sweep_params(n, seed):
     return out
 
 
-SWEEP_SEED = int(os.environ.get("MEGAMOE_SWEEP_SEED", random.SystemRandom().randrange(1 << 30)))
-SMALL_CASE_SLOTS = 64   # fewer (token, slot) rows than this: the per-case bound is SMALL_CASE_TOL
-SMALL_CASE_TOL = 5e-2
-_sweep_pool = {"diff": 0.0, "ref": 0.0, "cases": 0}
+_sweep_pool = SweepPool()
 
 
 @pytest.mark.parametrize("params", _sweep_params(200, SWEEP_SEED), ids=lambda p: "E{}K{}H{}I{}T{}m{}s{}-{}".format(*p))
@@ -224,29 +219,13 @@ def test_random_sweep(params):
     e, k, h, i, t, masked, skew, seed = params
     case = make_case(e, h, i, k, t, device="cuda", masked_fraction=masked, seed=seed % 1000)
     if skew and t:
-        # Slot 0 of every token goes to one of the first few experts: hot experts with many token blocks
-        # (a slot may then repeat another slot's expert; each slot still counts on its own).
-        hot = torch.randint(0, max(1, e // 4), (t,), device="cuda", dtype=case.topk_idx.dtype)
-        idx = case.topk_idx.clone()
-        idx[:, 0] = torch.where(idx[:, 0] >= 0, hot, idx[:, 0])
-        case.topk_idx = idx
-        case.ref = case.reference(topk_idx=idx)
-    y = run_poisoned(case)
-    if t:
-        err = rel_err(y, case.ref)
-        tol = SMALL_CASE_TOL if t * k < SMALL_CASE_SLOTS else TOL
-        assert err <= tol, f"sweep seed {SWEEP_SEED}: {params}: rel err {err}"
-        _sweep_pool["diff"] += (y.double() - case.ref.double()).square().sum().item()
-        _sweep_pool["ref"] += case.ref.double().square().sum().item()
-        _sweep_pool["cases"] += 1
+        skew_first_slot(case, e)
+    _sweep_pool.check(run_poisoned(case), case, t, k, params)
 
 
 def test_random_sweep_pooled_error():
     """All sweep cases together (runs after them, file order) meet the 1e-2 bound."""
-    if _sweep_pool["cases"] < 100:
-        pytest.skip("the random sweep did not run (selected out)")
-    pooled = math.sqrt(_sweep_pool["diff"] / _sweep_pool["ref"])
-    assert pooled <= TOL, f"sweep seed {SWEEP_SEED}: pooled rel err {pooled} over {_sweep_pool['cases']} cases"
+    _sweep_pool.check_pooled()
 
 
 # ------------------------------------------------------------------------------------------------
