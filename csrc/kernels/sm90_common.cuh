@@ -197,4 +197,24 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_offset
   return t;
 }
 
+// L2 epilogue copy-out (both weight formats): the staged bf16 tile [block_m][256] of output features goes to
+// the combine area of each row's token owner at (token, slot): local stores, or NVLink stores for a peer.
+template <int kBlockM, int kBlockN, int kThreads>
+__device__ __forceinline__ void store_combine_tile(const __nv_bfloat16* out_tile, uint8_t* buffer,
+                                                   const layout::BufferLayout& l, int row0, int rows, int n_block,
+                                                   int n, int tid) {
+  const int* pool_src = reinterpret_cast<const int*>(buffer + l.pool_src_offset);
+  const int rank_slots = static_cast<int>(l.max_tokens_per_rank * l.top_k);
+  for (int c = tid; c < kBlockM * (kBlockN / 8); c += kThreads) {
+    const int col = c / (kBlockN / 8), part = c % (kBlockN / 8);
+    if (col < rows && n_block * kBlockN + part * 8 < n) {
+      const int src = pool_src[row0 + col];
+      const int src_rank = src / rank_slots;
+      auto* combine = reinterpret_cast<__nv_bfloat16*>(peer_buffer(buffer, l, src_rank) + l.combine_offset);
+      *reinterpret_cast<uint4*>(combine + int64_t(src - src_rank * rank_slots) * l.hidden + n_block * kBlockN +
+                                part * 8) = reinterpret_cast<const uint4*>(out_tile)[c];
+    }
+  }
+}
+
 }  // namespace megamoe::kernels

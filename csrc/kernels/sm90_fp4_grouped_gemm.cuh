@@ -592,18 +592,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         out_tile[col * kBlockN + row + 64] = __float2bfloat16_rn(acc1[i] * col_f[j]);
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
-      const int* pool_src = reinterpret_cast<const int*>(p.buffer + l.pool_src_offset);
-      const int rank_slots = static_cast<int>(l.max_tokens_per_rank * l.top_k);
-      for (int c = ctid; c < kBlockM * 32; c += kNumConsumerThreads) {
-        const int col = c / 32, part = c % 32;
-        if (col < t.rows && t.n_block * kBlockN + part * 8 < p.n) {
-          const int src = pool_src[t.row0 + col];
-          const int src_rank = src / rank_slots;
-          auto* combine = reinterpret_cast<__nv_bfloat16*>(peer_buffer(p.buffer, l, src_rank) + l.combine_offset);
-          *reinterpret_cast<uint4*>(combine + int64_t(src - src_rank * rank_slots) * l.hidden + t.n_block * kBlockN +
-                                    part * 8) = reinterpret_cast<const uint4*>(out_tile)[c];
-        }
-      }
+      store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(out_tile, p.buffer, l, t.row0, t.rows, t.n_block, p.n,
+                                                               ctid);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     }
     // Both consumers are past the epilogue's last read of `epi` (the barrier above): the converters may refill it.
