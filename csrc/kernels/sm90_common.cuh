@@ -6,6 +6,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -41,6 +42,20 @@ void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t sme
   config.attrs = attr;
   config.numAttrs = 1;
   MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// Raises a kernel's dynamic shared-memory limit on the current device, once per (kernel, device): the
+// attribute is per device, so one process driving several GPUs needs it on each (a process-wide once flag
+// let the second device's launch fail).
+template <auto kKernel>
+void allow_dynamic_smem(int bytes) {
+  static std::atomic<uint64_t> done_devices{0};
+  int device = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (done_devices.load(std::memory_order_relaxed) & bit) return;
+  MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  done_devices.fetch_or(bit, std::memory_order_relaxed);
 }
 
 constexpr float kFP8Max = 448.0f;

@@ -44,7 +44,6 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -668,11 +667,8 @@ void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cu
   constexpr int kStages = heuristics::fp4_num_stages_for(kBlockM, kActFP4);
   constexpr int kBytes = Smem<kBlockM, kActFP4>::template bytes<kStages>();
   static_assert(kBytes <= 227 * 1024, "FP4 grouped GEMM shared memory exceeds the 227 KB a block may use");
-  auto kernel = sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe>;
-  static std::once_flag once;
-  std::call_once(once, [&] {
-    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
-  });
+  constexpr auto kernel = sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe>;
+  allow_dynamic_smem<kernel>(kBytes);
   launch_pdl(kernel, dim3(num_sms), dim3(Roles<kBlockM>::kThreads), kBytes, stream, a.tmap_weights, a.tmap_acts, p);
 }
 

@@ -2,7 +2,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <mutex>
 
 #include "heuristics/sm90.hpp"
 #include "kernels/sm90_fp8_grouped_gemm.cuh"
@@ -16,13 +15,8 @@ void launch_config(const GroupedGemmArgs& a, const GemmParams& p, int num_sms, c
   constexpr int kStages = heuristics::num_stages_for(kBlockM);
   using Smem = GemmSmem<kBlockM, kStages, kIsL1>;
   static_assert(Smem::kBytes <= 227 * 1024, "grouped GEMM shared memory exceeds the 227 KB a block may use");
-  auto kernel = sm90_fp8_grouped_gemm_kernel<kBlockM, kStages, kIsL1>;
-  // Raising the dynamic shared-memory limit is per function and per device; once per process is
-  // enough for the single-device-per-process model of serving engines, and cheap to repeat.
-  static std::once_flag once;
-  std::call_once(once, [&] {
-    MEGAMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kBytes));
-  });
+  constexpr auto kernel = sm90_fp8_grouped_gemm_kernel<kBlockM, kStages, kIsL1>;
+  allow_dynamic_smem<kernel>(Smem::kBytes);
   launch_pdl(kernel, dim3(num_sms), dim3(kNumThreads), Smem::kBytes, stream, a.tmap_weights, a.tmap_acts, p);
 }
 
