@@ -6,7 +6,6 @@ timings of the fused layer on DeepSeek-V4-Flash shapes for FP8 / MXFP4 / NVFP4 (
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import os
 
@@ -14,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import megamoe  # noqa: E402
-from megamoe import formats, reference  # noqa: E402
+from megamoe import reference  # noqa: E402
 
 COMBOS = [("mxfp4", "fp8"), ("mxfp4", "fp4"), ("nvfp4", "fp8"), ("nvfp4", "fp4")]
 
@@ -34,22 +33,7 @@ def check():
 
 
 def fp4_layer(e, h, i, wf, gen):
-    out = []
-    for n, k in ((2 * i, h), (h, i)):
-        w = torch.empty(e, n, k // 2, dtype=torch.uint8, device="cuda")
-        blk = 16 if wf == "nvfp4" else 32
-        sf = torch.empty(e, n, k // blk, dtype=torch.float8_e4m3fn if wf == "nvfp4" else torch.uint8, device="cuda")
-        g = torch.ones(e, device="cuda")
-        for x in range(e):
-            m = torch.randn(1, n, k, device="cuda", generator=gen) / math.sqrt(k)
-            if wf == "nvfp4":
-                q, s, gg = formats.quantize_nvfp4_weights(m)
-                w[x], sf[x], g[x] = q[0], s[0], gg[0]
-            else:
-                q, s = formats.quantize_mxfp4(m[0])
-                w[x], sf[x] = q, s
-        out.append((w, sf, g if wf == "nvfp4" else None))
-    return out
+    return [reference.make_fp4_expert_weights(e, n, k, wf, generator=gen, device="cuda") for n, k in ((2 * i, h), (h, i))]
 
 
 def time_graph(fn, iters=50):

@@ -66,23 +66,12 @@ def make_layer(cfg, gen):
 
 def make_fp4_layer(cfg, weight_format, gen):
     """Random FP4 layer (checkpoint layout built expert by expert, then kernel layout)."""
-    from megamoe import formats
+    from megamoe import reference
     e, h, i = cfg["num_experts"], cfg["hidden"], cfg["intermediate"]
 
     def one(n, k, is_l1):
-        w, sf, g = [], [], []
-        for _ in range(e):
-            master = torch.randn(1, n, k, device="cuda", generator=gen) / math.sqrt(k)
-            if weight_format == "mxfp4":
-                q, s_ = formats.quantize_mxfp4(master)
-                gs = None
-            else:
-                q, s_, gs = formats.quantize_nvfp4_weights(master)
-            w.append(q), sf.append(s_), g.append(gs)
-        gsf = torch.cat(g) if weight_format == "nvfp4" else None
-        out = megamoe.transform_weights(torch.cat(w), torch.cat(sf), gsf, weight_format=weight_format, is_l1=is_l1)
-        del w, sf
-        return out
+        w, sf, g = reference.make_fp4_expert_weights(e, n, k, weight_format, generator=gen, device="cuda")
+        return megamoe.transform_weights(w, sf, g, weight_format=weight_format, is_l1=is_l1)
 
     return one(2 * i, h, True), one(h, i, False)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, benchmark. Logs under $OUT (or ./device_out).
-#   benchmarks/device_check.sh [build|quick|test|sanitize|profile|bench|all] [pytest -k expression]
+#   benchmarks/device_check.sh [build|quick|test|sanitize|profile|bench|fp4|all] [pytest -k expression]
+#   fp4: the FP4 GPU tests (with the sweep and the exactness test), then the FP4 probe benchmark.
 set -uo pipefail
 what=${1:-all}
 kexpr=${2:-}
@@ -29,6 +30,11 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
       -k "small_shapes and (shape0 or shape2) or masked or one_expert or recv_stats or int64 or bad_expert" 2>&1 | tee "$out/sanitize-$tool.log" | tail -4
     echo "compute-sanitizer $tool exit: ${PIPESTATUS[0]}"
   done
+fi
+if [ "$what" = fp4 ]; then
+  python3 -m pytest tests/test_gpu_fp4.py tests/test_nvfp4_exactness.py -q -p no:cacheprovider --maxfail=5 2>&1 \
+    | tee "$out/tests-fp4.log" | tail -5
+  python3 benchmarks/bench_fp4_probe.py --check --bench --tokens 1,16,128,512 2>&1 | tee "$out/fp4-probe.log"
 fi
 if [ "$what" = profile ]; then
   (cd benchmarks && python3 profile_moe.py --model V4-Flash --tokens 1,128,8192) 2>&1 | tee "$out/profile.log"

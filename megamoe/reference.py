@@ -264,6 +264,29 @@ def make_fp8_block_weights(num_experts: int, n: int, k: int, *, generator: Optio
     return w, sf
 
 
+def make_fp4_expert_weights(num_experts: int, n: int, k: int, weight_format: str, *,
+                            generator: Optional[torch.Generator] = None, device="cpu"):
+    """Random checkpoint-layout FP4 weights built expert by expert (DeepSeek-V4-sized layers fit); masters
+    are N(0, 1/k). Returns (uint8 packed E2M1 [E, n, k/2], block scales [E, n, k/32] UE8M0 uint8 (mxfp4)
+    or [E, n, k/16] float8_e4m3fn (nvfp4), float32 global scales [E] (nvfp4) or None). ``generator`` must
+    live on ``device``."""
+    if weight_format not in ("mxfp4", "nvfp4"):
+        raise ValueError(f"weight_format: expected 'mxfp4' or 'nvfp4', got {weight_format!r}")
+    nv = weight_format == "nvfp4"
+    w = torch.empty(num_experts, n, k // 2, dtype=torch.uint8, device=device)
+    sf = torch.empty(num_experts, n, k // (16 if nv else 32), dtype=torch.float8_e4m3fn if nv else torch.uint8,
+                     device=device)
+    g = torch.ones(num_experts, dtype=torch.float32, device=device) if nv else None
+    for e in range(num_experts):
+        master = torch.randn(1, n, k, device=device, generator=generator) / math.sqrt(k)
+        if nv:
+            q, s, ge = formats.quantize_nvfp4_weights(master)
+            w[e], sf[e], g[e] = q[0], s[0], ge[0]
+        else:
+            w[e], sf[e] = formats.quantize_mxfp4(master[0])
+    return w, sf, g
+
+
 def make_random_layer(num_experts: int, hidden: int, intermediate: int, weight_format: str, *,
                       seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
                       device: Union[str, torch.device] = "cpu", scale: float = 1.0) -> dict:

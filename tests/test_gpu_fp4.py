@@ -12,14 +12,13 @@ percent) and the sweep as a whole, pooled, against 1e-2.
 """
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 import torch
 
 import megamoe
-from megamoe import formats, reference
+from megamoe import reference
 from conftest import SWEEP_SEED, CUDA_MARKS, SweepPool, make_case, rel_err, skew_first_slot
 
 pytestmark = list(CUDA_MARKS)
@@ -232,32 +231,14 @@ def test_random_sweep_pooled_error():
 # ------------------------------------------------------------------------------------------------
 # DeepSeek-V4 shapes (all experts), reference on a sample of tokens
 # ------------------------------------------------------------------------------------------------
-def _fp4_weights(num_experts, n, k, weight_format, gen):
-    """Checkpoint-layout FP4 weights built expert by expert (DeepSeek-V4-sized layers fit): masters N(0, 1/k)."""
-    w = torch.empty(num_experts, n, k // 2, dtype=torch.uint8, device="cuda")
-    per_block = 16 if weight_format == "nvfp4" else 32
-    sf = torch.empty(num_experts, n, k // per_block, dtype=torch.float8_e4m3fn if weight_format == "nvfp4"
-                     else torch.uint8, device="cuda")
-    g = torch.ones(num_experts, dtype=torch.float32, device="cuda") if weight_format == "nvfp4" else None
-    for e in range(num_experts):
-        master = torch.randn(1, n, k, device="cuda", generator=gen) / math.sqrt(k)
-        if weight_format == "nvfp4":
-            q, s, ge = formats.quantize_nvfp4_weights(master)
-            w[e], sf[e], g[e] = q[0], s[0], ge[0]
-        else:
-            q, s = formats.quantize_mxfp4(master[0])
-            w[e], sf[e] = q, s
-    return w, sf, g
-
-
 @pytest.fixture(scope="module", params=[(m, f) for m in MODELS for f in ("mxfp4", "nvfp4")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def model_layer(request):
     name, weight_format = request.param
     e, k, h, i = MODELS[name]
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    w13, sf13, g13 = _fp4_weights(e, 2 * i, h, weight_format, gen)
-    w2, sf2, g2 = _fp4_weights(e, h, i, weight_format, gen)
+    w13, sf13, g13 = reference.make_fp4_expert_weights(e, 2 * i, h, weight_format, generator=gen, device="cuda")
+    w2, sf2, g2 = reference.make_fp4_expert_weights(e, h, i, weight_format, generator=gen, device="cuda")
     l1 = megamoe.transform_weights(w13, sf13, g13, weight_format=weight_format, is_l1=True)
     l2 = megamoe.transform_weights(w2, sf2, g2, weight_format=weight_format, is_l1=False)
     yield name, weight_format, (e, k, h, i), (w13, sf13, g13, w2, sf2, g2), l1, l2

@@ -232,4 +232,20 @@ __device__ __forceinline__ void store_combine_tile(const __nv_bfloat16* out_tile
   }
 }
 
+// L1 epilogue (both weight formats): per-token amax over this warp's 16 rows of an m64nN accumulator
+// fragment (registers, then the lanes sharing a column: xor 4, 8, 16); lanes 0-3 store it, one float per
+// token column, at out[col].
+template <int kBlockM>
+__device__ __forceinline__ void store_token_amax(const float* acc, float* out, int lane) {
+#pragma unroll
+  for (int j = 0; j < kBlockM / 4; ++j) {
+    const int i0 = (j / 2) * 4 + (j % 2);
+    float m = fmaxf(fabsf(acc[i0]), fabsf(acc[i0 + 2]));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+    if (lane < 4) out[8 * (j / 2) + 2 * lane + (j % 2)] = m;
+  }
+}
+
 }  // namespace megamoe::kernels

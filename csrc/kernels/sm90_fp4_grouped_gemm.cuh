@@ -569,17 +569,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         // (xor 4, 8, 16), then shared memory.
         float* amax_smem = reinterpret_cast<float*>(epi);             // [8 warps][kBlockM]
         uint8_t* out_tile = epi + 8 * kBlockM * 4;                    // [kBlockM][128] codes / E4M3
-        if (has_outputs) {
-#pragma unroll
-          for (int j = 0; j < kBlockM / 4; ++j) {
-            const int i0 = (j / 2) * 4 + (j % 2);
-            float m = fmaxf(fabsf(acc_gate[i0]), fabsf(acc_gate[i0 + 2]));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-            if (lane < 4) amax_smem[(pair * 4 + warp) * kBlockM + 8 * (j / 2) + 2 * lane + (j % 2)] = m;
-          }
-        }
+        if (has_outputs) store_token_amax<kBlockM>(acc_gate, amax_smem + (pair * 4 + warp) * kBlockM, lane);
         ptx::named_barrier_sync(1, kNumConsumerThreads);
         if (has_outputs) {
           uint8_t* pool_sf = p.buffer + l.pool_sf_offset;

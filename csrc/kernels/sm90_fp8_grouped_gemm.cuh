@@ -224,15 +224,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
       // Per-token amax over this tile's 128 outputs (= one L2 scale block): registers, then lanes
       // sharing a column (xor 4, 8, 16), then the 8 consumer warps through shared memory.
-#pragma unroll
-      for (int j = 0; j < kBlockM / 4; ++j) {
-        const int i0 = (j / 2) * 4 + (j % 2);
-        float m = fmaxf(fabsf(acc0[i0]), fabsf(acc0[i0 + 2]));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-        if (lane < 4) amax_smem[(consumer * 4 + warp) * kBlockM + 8 * (j / 2) + 2 * lane + (j % 2)] = m;
-      }
+      store_token_amax<kBlockM>(acc0, amax_smem + (consumer * 4 + warp) * kBlockM, lane);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       uint8_t* out_tile = epilogue;  // [kBlockM tokens][128 outputs] E4M3
       float* pool_sf = reinterpret_cast<float*>(p.buffer + l.pool_sf_offset);
