@@ -2,6 +2,7 @@
 # One call on the GPU machine: build, GPU tests, benchmark. Logs under $OUT (or ./device_out).
 #   benchmarks/device_check.sh [build|quick|test|sanitize|profile|bench|fp4|all][,more modes] [pytest -k expression]
 #   fp4: the FP4 GPU tests (with the sweep and the exactness test), then the FP4 probe benchmark.
+#   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below).
 #   Modes combine with commas (e.g. fp4,bench); BENCH_FORMATS picks bench_moe's --formats (default fp8).
 set -uo pipefail
 what=${1:-all}
@@ -9,7 +10,7 @@ kexpr=${2:-}
 [[ ",$what," == *",all,"* ]] && what="$what,test,sanitize,bench"
 has() { [[ ",$what," == *",$1,"* ]]; }
 out=${OUT:-device_out}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)
 export CXX=/usr/bin/g++ CC=/usr/bin/gcc TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
@@ -41,6 +42,20 @@ if has fp4; then
 fi
 if has profile; then
   (cd benchmarks && python3 profile_moe.py --model V4-Flash --tokens 1,128,8192) 2>&1 | tee "$out/profile.log"
+fi
+if has ncu; then
+  # Nsight Compute, full set with source counters, of the grouped-GEMM kernels of one call per case
+  # (NCU_CASES: format:act_format:tokens, V4-Flash); details and per-SASS-instruction stalls as text.
+  for spec in ${NCU_CASES:-mxfp4:fp8:16 fp8:fp8:1}; do
+    IFS=: read -r fmt act t <<<"$spec"
+    rep="$out/ncu-$fmt-a$act-$t"
+    (cd benchmarks && ncu --profile-from-start off --clock-control none --set full --import-source yes \
+      -k regex:grouped_gemm -f -o "$rep" python3 profile_moe.py --ncu --model V4-Flash --format "$fmt" \
+      --act-format "$act" --tokens "$t") >"$rep.log" 2>&1 || tail -20 "$rep.log"
+    ncu -i "$rep.ncu-rep" --page details >"$rep-details.txt" 2>&1
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep-sass.csv" 2>&1
+    grep -E "Duration|Issued Warp|Eligible|Active Warps|No Eligible|DRAM Throughput|Compute \(SM\)" "$rep-details.txt"
+  done
 fi
 if has bench; then
   python3 benchmarks/bench_moe.py --formats "${BENCH_FORMATS:-fp8}" --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.log"
