@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, benchmark. Logs under $OUT (or ./device_out).
-#   benchmarks/device_check.sh [build|quick|test|sanitize|profile|bench|fp4|all] [pytest -k expression]
+#   benchmarks/device_check.sh [build|quick|test|sanitize|profile|bench|fp4|all][,more modes] [pytest -k expression]
 #   fp4: the FP4 GPU tests (with the sweep and the exactness test), then the FP4 probe benchmark.
+#   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below).
+#   Modes combine with commas (e.g. fp4,bench); BENCH_FORMATS picks bench_moe's --formats (default fp8).
 set -uo pipefail
 what=${1:-all}
 kexpr=${2:-}
+[[ ",$what," == *",all,"* ]] && what="$what,test,sanitize,bench"
+has() { [[ ",$what," == *",$1,"* ]]; }
 out=${OUT:-device_out}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)
 export CXX=/usr/bin/g++ CC=/usr/bin/gcc TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
@@ -17,13 +21,13 @@ python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/
 echo "build: $(( $(date +%s) - start )) s"
 [ "$what" = build ] && exit 0
 
-if [ "$what" = quick ] || [ "$what" = test ] || [ "$what" = all ]; then
+if has quick || has test; then
   args=(-q --timeout=900 -p no:cacheprovider)
-  [ "$what" = quick ] && args+=(-m gpu)
+  has quick && args+=(-m gpu)
   [ -n "$kexpr" ] && args+=(-k "$kexpr")
   python3 -m pytest tests "${args[@]}" 2>&1 | tee "$out/tests.log" | tail -40
 fi
-if [ "$what" = sanitize ] || [ "$what" = all ]; then
+if has sanitize; then
   # Reduced GPU suite under compute-sanitizer (memcheck, racecheck on shared memory).
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_gpu_fp8.py -q -p no:cacheprovider \
@@ -31,14 +35,28 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
     echo "compute-sanitizer $tool exit: ${PIPESTATUS[0]}"
   done
 fi
-if [ "$what" = fp4 ]; then
+if has fp4; then
   python3 -m pytest tests/test_gpu_fp4.py tests/test_nvfp4_exactness.py -q -p no:cacheprovider --maxfail=5 2>&1 \
     | tee "$out/tests-fp4.log" | tail -5
   python3 benchmarks/bench_fp4_probe.py --check --bench --tokens 1,16,128,512 2>&1 | tee "$out/fp4-probe.log"
 fi
-if [ "$what" = profile ]; then
+if has profile; then
   (cd benchmarks && python3 profile_moe.py --model V4-Flash --tokens 1,128,8192) 2>&1 | tee "$out/profile.log"
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 benchmarks/bench_moe.py --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.log"
+if has ncu; then
+  # Nsight Compute, full set with source counters, of the grouped-GEMM kernels of one call per case
+  # (NCU_CASES: format:act_format:tokens, V4-Flash); details and per-SASS-instruction stalls as text.
+  for spec in ${NCU_CASES:-mxfp4:fp8:16 fp8:fp8:1}; do
+    IFS=: read -r fmt act t <<<"$spec"
+    rep="$out/ncu-$fmt-a$act-$t"
+    (cd benchmarks && ncu --profile-from-start off --clock-control none --set full --import-source yes \
+      -k regex:grouped_gemm -f -o "$rep" python3 profile_moe.py --ncu --model V4-Flash --format "$fmt" \
+      --act-format "$act" --tokens "$t") >"$rep.log" 2>&1 || tail -20 "$rep.log"
+    ncu -i "$rep.ncu-rep" --page details >"$rep-details.txt" 2>&1
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep-sass.csv" 2>&1
+    grep -E "Duration|Issued Warp|Eligible|Active Warps|No Eligible|DRAM Throughput|Compute \(SM\)" "$rep-details.txt"
+  done
+fi
+if has bench; then
+  python3 benchmarks/bench_moe.py --formats "${BENCH_FORMATS:-fp8}" --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.log"
 fi

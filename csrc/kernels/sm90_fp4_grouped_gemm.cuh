@@ -8,14 +8,16 @@
 // Only the float32 factors (NVFP4 per-expert weight global scale, NVFP4 per-token activation global
 // scale) are applied, once, in the epilogue.
 //
-// Warp roles (384 threads): warpgroup 0 = producer: thread 0 issues the TMA loads (packed weights
+// Warp roles (384 or 640 threads, see Roles): warpgroup 0 = producer: thread 0 issues the TMA loads (packed weights
 // 256 rows x 128 bytes = 256 K, 128B-swizzled; the token tile), warp 1 copies the block scales with
 // cp.async: the weights' (rows of K/32 or K/16 bytes: too narrow for TMA) and the tokens' (a 4-byte
 // aligned window of block_m + 4 bytes per K block around the tile's first row, which has any alignment),
 // warps 2-3 convert each stage's token tile into a 128B-swizzled bf16 tile (a ring of two).
 // NOTES: the token scales were a plain (unswizzled) TMA box first; that load stopped the H100 with an
 // illegal instruction (2026-11-22), so they take the same cp.async path as the weight scales.
-// Warpgroups 1-2 = consumers, each owning 128 weight rows = two 64-row slices (L1: gate chunk + up chunk).
+// The other warpgroups = consumers: two owning 128 weight rows = two 64-row slices each (L1: gate chunk + up
+// chunk), or, for decode block sizes, four owning one 64-row slice each (L1: the up consumer hands its
+// values to the gate consumer in the epilogue).
 // Each consumer decodes its weights from shared memory straight into the wgmma A fragment (registers)
 // and issues m64nNk16 wgmmas whose B descriptor points at the bf16 tile. The consumers never wait for
 // each other in the main loop (mbarriers only), and keep one wgmma group in flight across stages.
@@ -54,10 +56,26 @@ namespace megamoe::kernels::fp4 {
 
 constexpr int kBlockN = 256;  // weight rows per tile
 constexpr int kBlockK = 256;  // K per stage (128 packed bytes per weight row)
-constexpr int kNumThreads = 384;
-constexpr int kNumConsumerThreads = 256;
 constexpr int kNumConverterWarps = 2;  // producer warps 2-3
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 x 56 + 256 x 224 = 384 x 168
+
+// Consumer warpgroups per block. Decode (block_m 16): four, one 64-row slice each, so that every
+// scheduler has four consumer warps to switch between (the decode and the wgmma waits of one warp are
+// latency-bound: ncu saw 2.5 active, 0.73 eligible warps per scheduler with two consumer warpgroups).
+// block_m 32 and 64: two, two slices each (with four, block_m 32 spilled under the 96 registers a thread
+// gets at launch, which is what ptxas allocates for).
+template <int kBlockM>
+struct Roles {
+  static constexpr int kConsumers = kBlockM <= 16 ? 4 : 2;
+  static constexpr int kSlices = 4 / kConsumers;  // 64-row slices per consumer (L1: a gate + up pair when 2)
+  static constexpr int kConsumerThreads = 128 * kConsumers;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  // setmaxnreg: the launch gives every thread 65536 / kThreads registers (rounded down to 8); the producer
+  // warpgroup gives part back. 384 threads: 168 -> 56 / 224; 640 threads: 96 -> 48 / 104.
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static constexpr int kProducerRegs = kConsumers == 2 ? 56 : 48;
+  static constexpr int kConsumerRegs = ((kLaunchRegs * kThreads - 128 * kProducerRegs) / kConsumerThreads) / 8 * 8;
+  static_assert(kConsumerRegs >= kLaunchRegs && kConsumerRegs <= 256, "register split");
+};
 constexpr int kScaleWordsBytes = 16;  // weight scale bytes per row per stage in shared memory
 
 struct Params {
@@ -91,13 +109,17 @@ struct Smem {
 
 // Nibbles p and p + 4 of `w` -> a bf16 pair (low half: nibble p) holding e2m1 x 2^-126: magnitude bits
 // to bf16 bits 6-8 (exponent bits 7-8, mantissa bit 6; exponent 0 = the E2M1 subnormal 0.5), sign to 15.
+// One mask, one multiply, one mask: x * (2^a + 2^b) = (x << a) + (x << b), and the two shifted copies of the
+// two nibbles never share a bit (no carries), so the sum places the magnitudes at 6-8 / 22-24 and the signs
+// at 15 / 31 at once (the stray bits fall outside the final mask). Nibbles 2, 3 (and 6, 7) are taken from
+// w >> 8, shared by both. Was two shifts and two masks per pair (checked equal for every nibble pair).
 template <int p>
 __device__ __forceinline__ uint32_t e2m1x2_raw(uint32_t w) {
-  constexpr uint32_t kMag = 0x01C001C0u, kSign = 0x80008000u;
   static_assert(p >= 0 && p < 4);
-  const uint32_t mag = (p == 0 ? w << 6 : p == 1 ? w << 2 : p == 2 ? w >> 2 : w >> 6) & kMag;
-  const uint32_t sign = (p == 0 ? w << 12 : p == 1 ? w << 8 : p == 2 ? w << 4 : w) & kSign;
-  return mag | sign;
+  constexpr int pp = p % 2;
+  const uint32_t v = p >= 2 ? w >> 8 : w;
+  const uint32_t x = v & (0x000F000Fu << (4 * pp));
+  return (x * ((1u << (6 - 4 * pp)) + (1u << (12 - 4 * pp)))) & 0x81C081C0u;
 }
 
 constexpr uint32_t kBF16x2Pow2_126 = 0x7E807E80u;  // (2^126, 2^126)
@@ -229,7 +251,7 @@ __device__ __forceinline__ void fence_fragment(uint32_t (&a)[8][4]) {
 }
 
 template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe>
-__global__ void __launch_bounds__(kNumThreads, 1)
+__global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     sm90_fp4_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
                                  const __grid_constant__ CUtensorMap tmap_acts, Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -237,6 +259,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   using S = Smem<kBlockM, kActFP4>;
   using Mma = ptx::WgmmaBF16RS<kBlockM>;
   constexpr int kRegs = Mma::kNumRegs;
+  using R = Roles<kBlockM>;
+  constexpr int kNumConsumerThreads = R::kConsumerThreads;
+  constexpr int kSlices = R::kSlices;
   constexpr int kWBlk = kNV ? 16 : 32;                            // weight scale block (K)
   constexpr int kABlk = kRecipe == ActRecipe::kNVFP4 ? 16 : 32;   // token scale block (K)
   constexpr int kABlocks = kBlockK / kABlk;                       // token scale rows per stage
@@ -285,7 +310,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (warpgroup == 0) {
     // ======================================================================== producer
-    ptx::setmaxnreg_dec<kProducerRegs>();
+    ptx::setmaxnreg_dec<R::kProducerRegs>();
     const int warp = threadIdx.x / 32;
     if (threadIdx.x == 0) {
       ptx::prefetch_tensormap(&tmap_weights);
@@ -400,12 +425,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
 
   // ========================================================================== consumers
-  ptx::setmaxnreg_inc<kConsumerRegs>();
+  ptx::setmaxnreg_inc<R::kConsumerRegs>();
   ptx::grid_dependency_wait();  // token tiles, scales and routing rows come from earlier kernels
   ptx::launch_dependents();
-  const int consumer = warpgroup - 1;                 // owns weight rows [128 c, 128 c + 128) of the tile
+  const int consumer = warpgroup - 1;                 // owns the slices [kSlices c, kSlices c + kSlices)
   const int warp = (threadIdx.x / 32) % 4;            // warp within the warpgroup
-  const int ctid = threadIdx.x - 128;                 // 0..255 over both consumers
+  const int ctid = threadIdx.x - 128;                 // 0 .. kNumConsumerThreads - 1
   const int q = lane % 4;
   const int quad_row = warp * 16 + lane / 4;          // this thread's first row in a 64-row slice
   int stage = 0, b = 0;
@@ -413,9 +438,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
-    float acc0[kRegs], acc1[kRegs];
+    float acc[kSlices][kRegs];  // slice ls of this consumer = tile rows [64 (kSlices c + ls), + 64)
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
+    for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) acc[ls][i] = 0.0f;
     uint32_t a[8][4];  // the A fragments of one (128-K group, 64-row slice): 8 k16 steps
     int prev_b = 0;
     uint8_t* bf = bf_tiles;
@@ -426,23 +453,25 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ptx::mbarrier_wait(&full[stage], phase);
       ptx::mbarrier_wait(&bf_full[b], bphase);
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
+      for (int ls = 0; ls < kSlices; ++ls)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int g = j / 2, slice = j % 2;
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc[ls][i]);
+#pragma unroll
+      for (int j = 0; j < 2 * kSlices; ++j) {
+        const int g = j / kSlices, ls = j % kSlices;
         if (g >= groups) break;
         // NOTES: a warp writes A-fragment registers only when none of its wgmmas is in flight. ptxas
         // serializes every wgmma (a WARPGROUP.DEPBAR after each HGMMA, warning C7513) as soon as a wgmma input
         // register is written while an earlier wgmma may run, even a register of a later group and with the
         // wgmma that read it retired (tried: two alternating fragment sets behind wait_group 1). Waiting here
-        // costs one wgmma latency per 8 wgmmas; the other consumer warpgroup decodes meanwhile.
-        if (kb > 0 || j > 0) ptx::wgmma_wait<0>();
+        // costs one wgmma latency per 8 wgmmas; the other consumer warps decode meanwhile.
+        ptx::wgmma_wait<0>();  // unconditional: ptxas must see it on every path to the decode
         if (j == 0 && kb > 0) {
           // Every wgmma of the previous stage has finished (waited above): its bf16 tile is free.
           __syncwarp();
           if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
         }
-        decode_weights<kNV>(a, tile_a(stage), tile_sw(stage), consumer * 128 + slice * 64 + quad_row, g, q);
+        decode_weights<kNV>(a, tile_a(stage), tile_sw(stage), (kSlices * consumer + ls) * 64 + quad_row, g, q);
         uint64_t desc_b[8];
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
@@ -452,10 +481,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         fence_fragment(a);
         ptx::wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          if (slice == 0) Mma::run(acc0, a[s], desc_b[s]);
-          else Mma::run(acc1, a[s], desc_b[s]);
-        }
+        for (int s = 0; s < 8; ++s) Mma::run(acc[ls], a[s], desc_b[s]);
         ptx::wgmma_commit();
       }
       // The stage's weights and weight scales are in registers now: the producer may refill it.
@@ -467,12 +493,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
     ptx::wgmma_wait<0>();
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc0[i]), ptx::fence_operand(acc1[i]);
+    for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc[ls][i]);
     // The last stage's bf16 tile is the epilogue's scratch; it is released at the end of the epilogue.
     uint8_t* epi = bf;
 
     // ======================================================================== epilogue
-    ptx::named_barrier_sync(1, kNumConsumerThreads);  // both consumers' wgmmas on `epi` have finished
+    ptx::named_barrier_sync(1, kNumConsumerThreads);  // every consumer's wgmmas on `epi` have finished
     // Float32 factors: NVFP4 weight global scale (per expert) x NVFP4 token global scale (per row).
     const float gw = p.weights_global_sf != nullptr ? __ldg(p.weights_global_sf + t.expert) : 1.0f;
     float col_f[kBlockM / 4];
@@ -482,7 +510,29 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       col_f[j] = p.acts_global_sf != nullptr ? (col < t.rows ? gw * p.acts_global_sf[t.row0 + col] : 0.0f) : gw;
     }
     if constexpr (kIsL1) {
-      // SwiGLU in registers: acc0 = gate rows, acc1 = the matching up rows.
+      // SwiGLU: gate rows (even slice) with the matching up rows (the next slice). With one slice per
+      // consumer, the up consumer hands its values to the gate consumer through `epi` (same thread
+      // position, same fragment layout); the pair index replaces the consumer index below.
+      const int pair = kSlices == 2 ? consumer : consumer / 2;
+      const bool has_outputs = kSlices == 2 || consumer % 2 == 0;
+      float* acc_gate = acc[0];
+      float up[kRegs];
+      if constexpr (kSlices == 2) {
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) up[i] = acc[1][i];
+      } else {
+        float* xchg = reinterpret_cast<float*>(epi) + (pair * 128 + (ctid % 128)) * kRegs;  // [2][128][kRegs]
+        if (!has_outputs) {
+#pragma unroll
+          for (int i = 0; i < kRegs; ++i) xchg[i] = acc[0][i];
+        }
+        ptx::named_barrier_sync(1, kNumConsumerThreads);
+        if (has_outputs) {
+#pragma unroll
+          for (int i = 0; i < kRegs; ++i) up[i] = xchg[i];
+        }
+        ptx::named_barrier_sync(1, kNumConsumerThreads);  // `epi` is free again
+      }
       const float* row_weight = reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset);
       float col_w[kBlockM / 4];
 #pragma unroll
@@ -493,55 +543,59 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) {
         const int j = (i / 4) * 2 + (i % 2);
-        float g = __bfloat162float(__float2bfloat16_rn(acc0[i] * col_f[j]));
-        float u = __bfloat162float(__float2bfloat16_rn(acc1[i] * col_f[j]));
+        float g = __bfloat162float(__float2bfloat16_rn(acc_gate[i] * col_f[j]));
+        float u = __bfloat162float(__float2bfloat16_rn(up[i] * col_f[j]));
         if (p.activation_clamp >= 0.0f) {
           g = fminf(g, p.activation_clamp);
           u = fminf(fmaxf(u, -p.activation_clamp), p.activation_clamp);
         }
         const float silu = p.fast_math ? __fdividef(g, 1.0f + __expf(-g)) : g / (1.0f + expf(-g));
-        acc0[i] = silu * u * col_w[j];
+        acc_gate[i] = silu * u * col_w[j];
       }
       const int inter = p.n / 2;
       if constexpr (kRecipe == ActRecipe::kNVFP4) {
         // The per-token global scale spans the whole I row, which no tile sees: store float32, the
         // requantization kernel runs after this grid.
+        if (has_outputs) {
 #pragma unroll
-        for (int i = 0; i < kRegs; ++i) {
-          const int col = 8 * (i / 4) + 2 * q + (i % 2);
-          const int out = t.n_block * 128 + consumer * 64 + quad_row + ((i / 2) % 2) * 8;
-          if (col < t.rows) p.scratch[int64_t(t.row0 + col) * inter + out] = acc0[i];
+          for (int i = 0; i < kRegs; ++i) {
+            const int col = 8 * (i / 4) + 2 * q + (i % 2);
+            const int out = t.n_block * 128 + pair * 64 + quad_row + ((i / 2) % 2) * 8;
+            if (col < t.rows) p.scratch[int64_t(t.row0 + col) * inter + out] = acc_gate[i];
+          }
         }
       } else {
         // Per-token amax over each 32 outputs (two warps of a consumer): registers, lanes sharing a column
         // (xor 4, 8, 16), then shared memory.
         float* amax_smem = reinterpret_cast<float*>(epi);             // [8 warps][kBlockM]
         uint8_t* out_tile = epi + 8 * kBlockM * 4;                    // [kBlockM][128] codes / E4M3
-        store_token_amax<kBlockM>(acc0, amax_smem + (consumer * 4 + warp) * kBlockM, lane);
+        if (has_outputs) store_token_amax<kBlockM>(acc_gate, amax_smem + (pair * 4 + warp) * kBlockM, lane);
         ptx::named_barrier_sync(1, kNumConsumerThreads);
-        uint8_t* pool_sf = p.buffer + l.pool_sf_offset;
-        const int cw = consumer * 4 + warp;
-        const int blk = t.n_block * 4 + consumer * 2 + warp / 2;  // 32-block of the I row
+        if (has_outputs) {
+          uint8_t* pool_sf = p.buffer + l.pool_sf_offset;
+          const int cw = pair * 4 + warp;
+          const int blk = t.n_block * 4 + pair * 2 + warp / 2;  // 32-block of the I row
 #pragma unroll
-        for (int j = 0; j < kBlockM / 4; ++j) {
-          const int col = 8 * (j / 2) + 2 * q + (j % 2);
-          const float amax = fmaxf(amax_smem[(cw & ~1) * kBlockM + col], amax_smem[(cw | 1) * kBlockM + col]);
-          const int i0 = (j / 2) * 4 + (j % 2);
-          const int out = consumer * 64 + quad_row;
-          float scale;
-          uint8_t c0, c1;
-          if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
-            scale = ceil_pow2(fmaxf(amax, kAmaxEps) / kFP8Max);
-            c0 = to_fp8(acc0[i0] / scale), c1 = to_fp8(acc0[i0 + 2] / scale);
-          } else {
-            scale = ceil_pow2(fmaxf(amax, kAmaxEps) / kE2M1Max);
-            c0 = static_cast<uint8_t>(e2m1_code(acc0[i0] / scale));
-            c1 = static_cast<uint8_t>(e2m1_code(acc0[i0 + 2] / scale));
+          for (int j = 0; j < kBlockM / 4; ++j) {
+            const int col = 8 * (j / 2) + 2 * q + (j % 2);
+            const float amax = fmaxf(amax_smem[(cw & ~1) * kBlockM + col], amax_smem[(cw | 1) * kBlockM + col]);
+            const int i0 = (j / 2) * 4 + (j % 2);
+            const int out = pair * 64 + quad_row;
+            float scale;
+            uint8_t c0, c1;
+            if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
+              scale = ceil_pow2(fmaxf(amax, kAmaxEps) / kFP8Max);
+              c0 = to_fp8(acc_gate[i0] / scale), c1 = to_fp8(acc_gate[i0 + 2] / scale);
+            } else {
+              scale = ceil_pow2(fmaxf(amax, kAmaxEps) / kE2M1Max);
+              c0 = static_cast<uint8_t>(e2m1_code(acc_gate[i0] / scale));
+              c1 = static_cast<uint8_t>(e2m1_code(acc_gate[i0 + 2] / scale));
+            }
+            out_tile[col * 128 + out] = c0;
+            out_tile[col * 128 + out + 8] = c1;
+            if (warp % 2 == 0 && lane < 4 && col < t.rows)
+              pool_sf[int64_t(blk) * l.pool_rows + t.row0 + col] = ue8m0_bits(scale);
           }
-          out_tile[col * 128 + out] = c0;
-          out_tile[col * 128 + out + 8] = c1;
-          if (warp % 2 == 0 && lane < 4 && col < t.rows)
-            pool_sf[int64_t(blk) * l.pool_rows + t.row0 + col] = ue8m0_bits(scale);
         }
         ptx::named_barrier_sync(1, kNumConsumerThreads);
         if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
@@ -575,19 +629,20 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // L2: bf16 rows into the combine area of the token's rank at (token, slot) (NVLink stores for a peer).
       __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epi);  // [kBlockM][256]
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) {
-        const int j = (i / 4) * 2 + (i % 2);
-        const int col = 8 * (i / 4) + 2 * q + (i % 2);
-        const int row = consumer * 128 + quad_row + ((i / 2) % 2) * 8;
-        out_tile[col * kBlockN + row] = __float2bfloat16_rn(acc0[i] * col_f[j]);
-        out_tile[col * kBlockN + row + 64] = __float2bfloat16_rn(acc1[i] * col_f[j]);
-      }
+      for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) {
+          const int j = (i / 4) * 2 + (i % 2);
+          const int col = 8 * (i / 4) + 2 * q + (i % 2);
+          const int row = (kSlices * consumer + ls) * 64 + quad_row + ((i / 2) % 2) * 8;
+          out_tile[col * kBlockN + row] = __float2bfloat16_rn(acc[ls][i] * col_f[j]);
+        }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(out_tile, p.buffer, l, t.row0, t.rows, t.n_block, p.n,
                                                                ctid);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     }
-    // Both consumers are past the epilogue's last read of `epi` (the barrier above): the converters may refill it.
+    // Every consumer is past the epilogue's last read of `epi` (the barrier above): the converters may refill it.
     if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
   }
 #else
@@ -604,7 +659,7 @@ void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cu
   static_assert(kBytes <= 227 * 1024, "FP4 grouped GEMM shared memory exceeds the 227 KB a block may use");
   constexpr auto kernel = sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe>;
   allow_dynamic_smem<kernel>(kBytes);
-  launch_pdl(kernel, dim3(num_sms), dim3(kNumThreads), kBytes, stream, a.tmap_weights, a.tmap_acts, p);
+  launch_pdl(kernel, dim3(num_sms), dim3(Roles<kBlockM>::kThreads), kBytes, stream, a.tmap_weights, a.tmap_acts, p);
 }
 
 // Every (block_m, activation recipe) of one layer and weight format.
