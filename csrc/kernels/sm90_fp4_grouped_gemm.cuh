@@ -278,6 +278,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   uint64_t* empty = full + kNumStages;
   uint64_t* bf_full = empty + kNumStages;  // [2] a bf16 token tile is written
   uint64_t* bf_empty = bf_full + 2;        // [2] its wgmmas (and, after a tile's last stage, the epilogue) are done
+  TileInfo* tile_infos = reinterpret_cast<TileInfo*>(bf_empty + 2);  // [kNumStages], see TileInfo
+  static_assert((2 * kNumStages + 4) * 8 + kNumStages * sizeof(TileInfo) <= 256, "barrier area of Smem::bytes");
   auto tile_a = [&](int s) { return stages + s * S::kStage; };
   auto tile_b = [&](int s) { return stages + s * S::kStage + S::kTileA; };
   auto tile_sw = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB; };
@@ -328,6 +330,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           if constexpr (kActFP4) bytes += kBlockM * 128;
           else bytes += (full_stage ? 2 : 1) * kBlockM * 128;
           ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+          if (kb == 0) tile_infos[stage] = t;
           ptx::mbarrier_arrive_expect_tx(&full[stage], bytes);
           ptx::tma_load_2d(tile_a(stage), &tmap_weights, &full[stage], kb * (kBlockK / 2), weight_row);
           if constexpr (kActFP4) {
@@ -401,16 +404,17 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       int stage = 0, b = 0;
       uint32_t phase = 0, bphase = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+        int row0 = 0;
         for (int kb = 0; kb < num_kblocks; ++kb) {
           const int groups = (kb + 1) * kBlockK <= p.k ? 2 : 1;  // 128-K groups in this stage
           uint8_t* bf = bf_tiles + b * S::kTileBF;
           ptx::mbarrier_wait(&bf_empty[b], bphase ^ 1);
           ptx::mbarrier_wait(&full[stage], phase);
+          if (kb == 0) row0 = tile_infos[stage].row0;
           for (int u = ctid; u < kBlockM * 8; u += kNumConverterWarps * 32) {
             const int n = u / 8, g = (u / 4) % 2, uq = u % 4;
             if (g < groups)
-              convert_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage) + (t.row0 & 3), bf, n, g, uq);
+              convert_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage) + (row0 & 3), bf, n, g, uq);
           }
           ptx::fence_proxy_async_shared();  // generic-proxy writes -> the wgmmas (async proxy)
           ptx::mbarrier_arrive(&bf_full[b]);
@@ -435,9 +439,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   const int quad_row = warp * 16 + lane / 4;          // this thread's first row in a 64-row slice
   int stage = 0, b = 0;
   uint32_t phase = 0, bphase = 0;
+  const uint32_t bf_tiles_desc_lo = ptx::smem_desc_sw128_lo(bf_tiles);
 
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+    TileInfo t;
     float acc[kSlices][kRegs];  // slice ls of this consumer = tile rows [64 (kSlices c + ls), + 64)
 #pragma unroll
     for (int ls = 0; ls < kSlices; ++ls)
@@ -450,7 +455,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     for (int kb = 0; kb < num_kblocks; ++kb) {
       const int groups = (kb + 1) * kBlockK <= p.k ? 2 : 1;  // 128-K groups in this stage
       bf = bf_tiles + b * S::kTileBF;
+      const uint32_t bf_desc_lo = bf_tiles_desc_lo + b * (S::kTileBF / 16);
       ptx::mbarrier_wait(&full[stage], phase);
+      if (kb == 0) t = tile_infos[stage];
       ptx::mbarrier_wait(&bf_full[b], bphase);
 #pragma unroll
       for (int ls = 0; ls < kSlices; ++ls)
@@ -476,7 +483,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
           const int step = 8 * g + s;
-          desc_b[s] = ptx::make_smem_desc_sw128(bf + (step / 4) * kBlockM * 128 + (step % 4) * 32);
+          desc_b[s] = ptx::smem_desc_sw128(bf_desc_lo + ((step / 4) * kBlockM * 128 + (step % 4) * 32) / 16);
         }
         fence_fragment(a);
         ptx::wgmma_fence();

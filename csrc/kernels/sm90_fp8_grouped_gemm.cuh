@@ -43,7 +43,7 @@ struct GemmSmem {
   static constexpr int kTileB = kBlockM * kBlockK;       // bytes
   static constexpr int kEpilogue = kIsL1 ? kBlockM * 128 + 8 * kBlockM * 4 : kBlockM * kBlockN * 2;
   static constexpr int kBytes = 1024 /* alignment slack */ + kNumStages * (kTileA + kTileB) + kEpilogue +
-                                2 * kNumStages * 8;
+                                2 * kNumStages * 8 + kNumStages * int(sizeof(TileInfo));
 };
 
 template <int kBlockM, int kNumStages, bool kIsL1>
@@ -66,6 +66,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint8_t* epilogue = tile_b + kNumStages * Smem::kTileB;
   uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + Smem::kEpilogue);
   uint64_t* empty = full + kNumStages;
+  TileInfo* tile_infos = reinterpret_cast<TileInfo*>(empty + kNumStages);  // [kNumStages], see TileInfo
 
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
@@ -115,6 +116,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         for (int kb = 0; kb < num_kblocks; ++kb) {
           if (!waited && issued == kNumStages) finish_wait();
           ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+          if (kb == 0) tile_infos[stage] = t;
           ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + Smem::kTileB);
           ptx::tma_load_2d(tile_a + stage * Smem::kTileA, &tmap_weights, &full[stage], kb * kBlockK, weight_row);
           if (waited) {
@@ -142,9 +144,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int quad_row = warp * 16 + lane / 4;          // this thread's first row in a 64-row slice
   int stage = 0;
   uint32_t phase = 0;
+  const uint32_t tile_a_desc_lo = ptx::smem_desc_sw128_lo(tile_a), tile_b_desc_lo = ptx::smem_desc_sw128_lo(tile_b);
 
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+    ptx::mbarrier_wait(&full[stage], phase);  // the tile's first stage carries its TileInfo
+    const TileInfo t = tile_infos[stage];
     // Weight scales: one per (64-row chunk, K block); this consumer's two chunks are adjacent.
     const int chunk = (t.expert * p.n + t.n_block * kBlockN + consumer * 128) / 64;
     const float* wsf = p.weights_sf + int64_t(chunk) * num_kblocks;
@@ -157,30 +161,39 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
 
-    for (int kb = 0; kb < num_kblocks; ++kb) {
-      // Scales are loaded before waiting on the stage so their latency hides behind the TMA wait.
-      const float ws0 = valid0 ? __ldg(wsf + kb) : 0.0f, ws1 = valid1 ? __ldg(wsf + num_kblocks + kb) : 0.0f;
-      // Token scales of this thread's columns (rows past the pool end read as 0; never stored).
+    // Scales of K block kb: weight scales of this consumer's two chunks, token scales of this thread's
+    // columns (rows past the pool end read as 0; never stored).
+    auto load_scales = [&](int kb, float& ws0, float& ws1, float (&col_sf)[kBlockM / 4]) {
+      ws0 = valid0 ? __ldg(wsf + kb) : 0.0f, ws1 = valid1 ? __ldg(wsf + num_kblocks + kb) : 0.0f;
       const float* sf = p.acts_sf + int64_t(kb) * l.pool_rows + t.row0;
-      float col_sf[kBlockM / 4];
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
         const int col = 8 * j + 2 * (lane % 4);
         col_sf[2 * j] = t.row0 + col < l.pool_rows ? __ldg(sf + col) : 0.0f;
         col_sf[2 * j + 1] = t.row0 + col + 1 < l.pool_rows ? __ldg(sf + col + 1) : 0.0f;
       }
+    };
+    // NOTES: the scales are loaded one K block ahead. Loaded at the top of their own stage, their latency
+    // (an L2 round trip for the token scales, DRAM for a weight-scale line) stood between the stage's
+    // wgmmas and its promotion: at T=1 ncu counted 44 % of the L1 kernel's stall samples on that one wait,
+    // while the stage's bytes had long been in shared memory.
+    float ws0, ws1, col_sf[kBlockM / 4];
+    load_scales(0, ws0, ws1, col_sf);
+    for (int kb = 0; kb < num_kblocks; ++kb) {
+      float next_ws0 = 0.0f, next_ws1 = 0.0f, next_sf[kBlockM / 4];
+      if (kb + 1 < num_kblocks) load_scales(kb + 1, next_ws0, next_ws1, next_sf);
       ptx::mbarrier_wait(&full[stage], phase);
-      const uint8_t* a = tile_a + stage * Smem::kTileA + consumer * 128 * kBlockK;
-      const uint8_t* b = tile_b + stage * Smem::kTileB;
+      const uint32_t a_lo = tile_a_desc_lo + (stage * Smem::kTileA + consumer * 128 * kBlockK) / 16;
+      const uint32_t b_lo = tile_b_desc_lo + stage * (Smem::kTileB / 16);
       float part0[kRegs], part1[kRegs];
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
       ptx::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kBlockK / 32; ++ks) {
-        const uint64_t desc_b = ptx::make_smem_desc_sw128(b + ks * 32);
-        Mma::run(part0, ptx::make_smem_desc_sw128(a + ks * 32), desc_b, ks > 0);
-        Mma::run(part1, ptx::make_smem_desc_sw128(a + 64 * kBlockK + ks * 32), desc_b, ks > 0);
+        const uint64_t desc_b = ptx::smem_desc_sw128(b_lo + ks * 2);
+        Mma::run(part0, ptx::smem_desc_sw128(a_lo + ks * 2), desc_b, ks > 0);
+        Mma::run(part1, ptx::smem_desc_sw128(a_lo + (64 * kBlockK + ks * 32) / 16), desc_b, ks > 0);
       }
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
@@ -198,6 +211,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         acc0[i] += part0[i] * (ws0 * s);
         acc1[i] += part1[i] * (ws1 * s);
       }
+      ws0 = next_ws0, ws1 = next_ws1;
+#pragma unroll
+      for (int j = 0; j < kBlockM / 4; ++j) col_sf[j] = next_sf[j];
     }
 
     // ======================================================================== epilogue

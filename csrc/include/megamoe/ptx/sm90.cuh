@@ -107,15 +107,18 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // ------------------------------------------------------------------------------------------------
 // Shared-memory matrix descriptor for a K-major tile written by TMA with 128-byte swizzle: rows of
 // 128 bytes, 8-row atoms 1024 bytes apart (stride byte offset), leading byte offset unused.
-__device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* p) {
-  const uint64_t addr = smem_addr(p);
-  uint64_t desc = 0;
-  desc |= (addr & 0x3FFFF) >> 4;        // start address, bits 0-13
-  desc |= uint64_t(1) << 16;            // leading byte offset (ignored for swizzled K-major)
-  desc |= uint64_t(1024 >> 4) << 32;    // stride byte offset, bits 32-45
-  desc |= uint64_t(1) << 62;            // layout: 128B swizzle
-  return desc;
+// Shared-memory matrix descriptor of a 128B-swizzled K-major tile (8-row groups 1024 bytes apart), split in
+// its two 32-bit halves: the low half holds the start address (bits 0-13, address >> 4) and the leading byte
+// offset (bit 16, ignored for swizzled K-major); the high half is the same for every such tile.
+constexpr uint32_t kSmemDescSw128Hi = (1024 >> 4) | (1u << 30);  // stride byte offset, layout: 128B swizzle
+__device__ __forceinline__ uint32_t smem_desc_sw128_lo(const void* p) {
+  return ((smem_addr(p) & 0x3FFFF) >> 4) | (1u << 16);
 }
+// NOTES: a descriptor `bytes` further on is lo + bytes / 16: shared addresses stay below 2^18, so the start
+// address field never carries into the bits above it. Kernels keep one low half per buffer and add
+// constants, one uniform add per wgmma instead of rebuilding the descriptor from a pointer.
+__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t lo) { return (uint64_t(kSmemDescSw128Hi) << 32) | lo; }
+__device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* p) { return smem_desc_sw128(smem_desc_sw128_lo(p)); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
