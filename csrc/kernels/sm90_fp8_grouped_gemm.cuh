@@ -173,15 +173,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         col_sf[2 * j + 1] = t.row0 + col + 1 < l.pool_rows ? __ldg(sf + col + 1) : 0.0f;
       }
     };
-    // NOTES: the scales are loaded one K block ahead. Loaded at the top of their own stage, their latency
-    // (an L2 round trip for the token scales, DRAM for a weight-scale line) stood between the stage's
-    // wgmmas and its promotion: at T=1 ncu counted 44 % of the L1 kernel's stall samples on that one wait,
-    // while the stage's bytes had long been in shared memory.
-    float ws0, ws1, col_sf[kBlockM / 4];
-    load_scales(0, ws0, ws1, col_sf);
+    // NOTES: loaded at the top of their own stage. Loading them one K block ahead (tried: 2026-11-22, H100)
+    // left T=1 unchanged and made prefill 10-15 % slower; docs/perf-notes.md has the A/B table.
     for (int kb = 0; kb < num_kblocks; ++kb) {
-      float next_ws0 = 0.0f, next_ws1 = 0.0f, next_sf[kBlockM / 4];
-      if (kb + 1 < num_kblocks) load_scales(kb + 1, next_ws0, next_ws1, next_sf);
+      float ws0, ws1, col_sf[kBlockM / 4];
+      load_scales(kb, ws0, ws1, col_sf);
       ptx::mbarrier_wait(&full[stage], phase);
       const uint32_t a_lo = tile_a_desc_lo + (stage * Smem::kTileA + consumer * 128 * kBlockK) / 16;
       const uint32_t b_lo = tile_b_desc_lo + stage * (Smem::kTileB / 16);
@@ -211,9 +207,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         acc0[i] += part0[i] * (ws0 * s);
         acc1[i] += part1[i] * (ws1 * s);
       }
-      ws0 = next_ws0, ws1 = next_ws1;
-#pragma unroll
-      for (int j = 0; j < kBlockM / 4; ++j) col_sf[j] = next_sf[j];
     }
 
     // ======================================================================== epilogue
