@@ -59,9 +59,11 @@ constexpr int fp4_act_sf_bytes(int block_m, bool act_fp4) { return fp4_round_1k(
 constexpr int fp4_stage_bytes(int block_m, bool act_fp4) {
   return 256 * 128 + fp4_round_1k(block_m * (act_fp4 ? 128 : 256)) + 256 * 16 + fp4_act_sf_bytes(block_m, act_fp4);
 }
-// Fixed part: two bf16 token tiles (block_m x 256 K x 2 bytes each; the epilogue reuses them), barriers,
+// Converted bf16 token tiles in flight (the converters run at most this many minus one stages ahead).
+constexpr int kFP4NumBfTiles = 2;
+// Fixed part: the bf16 token tiles (block_m x 256 K x 2 bytes each; the epilogue reuses them), barriers,
 // alignment slack.
-constexpr int fp4_fixed_bytes(int block_m) { return 2 * block_m * 512 + 1024 + 256; }
+constexpr int fp4_fixed_bytes(int block_m) { return kFP4NumBfTiles * block_m * 512 + 1024 + 256; }
 // Deepest pipeline in the 227 KB a block may use: 5 / 4 / 3 stages for block_m 16 / 32 / 64 (either
 // token format).
 constexpr int fp4_num_stages_for(int block_m, bool act_fp4) {

@@ -12,7 +12,7 @@
 // 256 rows x 128 bytes = 256 K, 128B-swizzled; the token tile), warp 1 copies the block scales with
 // cp.async: the weights' (rows of K/32 or K/16 bytes: too narrow for TMA) and the tokens' (a 4-byte
 // aligned window of block_m + 4 bytes per K block around the tile's first row, which has any alignment),
-// warps 2-3 convert each stage's token tile into a 128B-swizzled bf16 tile (a ring of two).
+// warps 2-3 convert each stage's token tile into a 128B-swizzled bf16 tile (a ring of kNumBfTiles).
 // NOTES: the token scales were a plain (unswizzled) TMA box first; that load stopped the H100 with an
 // illegal instruction (2026-11-22), so they take the same cp.async path as the weight scales.
 // The other warpgroups = consumers: two owning 128 weight rows = two 64-row slices each (L1: gate chunk + up
@@ -57,6 +57,7 @@ namespace megamoe::kernels::fp4 {
 constexpr int kBlockN = 256;  // weight rows per tile
 constexpr int kBlockK = 256;  // K per stage (128 packed bytes per weight row)
 constexpr int kNumConverterWarps = 2;  // producer warps 2-3
+constexpr int kNumBfTiles = heuristics::kFP4NumBfTiles;
 
 // Consumer warpgroups per block. Decode (block_m 16): four, one 64-row slice each, so that every
 // scheduler has four consumer warps to switch between (the decode and the wgmma waits of one warp are
@@ -103,7 +104,7 @@ struct Smem {
   static constexpr int kTileBF = kBlockM * kBlockK * 2;  // one bf16 token tile
   template <int kStages>
   static constexpr int bytes() {
-    return 1024 /* alignment slack */ + kStages * kStage + 2 * kTileBF + 256 /* barriers */;
+    return 1024 /* alignment slack */ + kStages * kStage + kNumBfTiles * kTileBF + 256 /* barriers */;
   }
 };
 
@@ -224,8 +225,15 @@ __device__ __forceinline__ void decode_weights(uint32_t (&a)[8][4], const uint8_
     fa[0] = weight_factor_nv(sa & 0xFF), fa[1] = weight_factor_nv(sa >> 8);
     fb[0] = weight_factor_nv(sb & 0xFF), fb[1] = weight_factor_nv(sb >> 8);
   } else {
-    fa[0] = fa[1] = weight_factor_mx(tile_sw[row * kScaleWordsBytes + 4 * g + q]);
-    fb[0] = fb[1] = weight_factor_mx(tile_sw[(row + 8) * kScaleWordsBytes + 4 * g + q]);
+    // (b + 94) << 7 in both halves is b * 0x00800080 + 0x2F002F00, one IMAD, for every b <= 160; bytes past
+    // that (factors beyond the bf16 range, and 255 = NaN) take weight_factor_mx on a branch that real
+    // checkpoints never take (was 7 instructions per scale on every path).
+    const uint32_t sa = tile_sw[row * kScaleWordsBytes + 4 * g + q];
+    const uint32_t sb = tile_sw[(row + 8) * kScaleWordsBytes + 4 * g + q];
+    fa[0] = sa * 0x00800080u + 0x2F002F00u;
+    fb[0] = sb * 0x00800080u + 0x2F002F00u;
+    if (__builtin_expect(max(sa, sb) > 160u, 0)) fa[0] = weight_factor_mx(sa), fb[0] = weight_factor_mx(sb);
+    fa[1] = fa[0], fb[1] = fb[0];
   }
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
@@ -274,12 +282,12 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* stages = smem;
   uint8_t* bf_tiles = smem + kNumStages * S::kStage;  // two bf16 token tiles, then reused by the epilogue
-  uint64_t* full = reinterpret_cast<uint64_t*>(bf_tiles + 2 * S::kTileBF);
+  uint64_t* full = reinterpret_cast<uint64_t*>(bf_tiles + kNumBfTiles * S::kTileBF);
   uint64_t* empty = full + kNumStages;
-  uint64_t* bf_full = empty + kNumStages;  // [2] a bf16 token tile is written
-  uint64_t* bf_empty = bf_full + 2;        // [2] its wgmmas (and, after a tile's last stage, the epilogue) are done
-  TileInfo* tile_infos = reinterpret_cast<TileInfo*>(bf_empty + 2);  // [kNumStages], see TileInfo
-  static_assert((2 * kNumStages + 4) * 8 + kNumStages * sizeof(TileInfo) <= 256, "barrier area of Smem::bytes");
+  uint64_t* bf_full = empty + kNumStages;  // [kNumBfTiles] a bf16 token tile is written
+  uint64_t* bf_empty = bf_full + kNumBfTiles;  // [kNumBfTiles] its wgmmas (and, after a tile's last stage, the epilogue) are done
+  TileInfo* tile_infos = reinterpret_cast<TileInfo*>(bf_empty + kNumBfTiles);  // [kNumStages], see TileInfo
+  static_assert((2 * kNumStages + 2 * kNumBfTiles) * 8 + kNumStages * sizeof(TileInfo) <= 256, "barrier area of Smem::bytes");
   auto tile_a = [&](int s) { return stages + s * S::kStage; };
   auto tile_b = [&](int s) { return stages + s * S::kStage + S::kTileA; };
   auto tile_sw = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB; };
@@ -302,7 +310,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       ptx::mbarrier_init(&full[s], 1 + 32);  // TMA thread + the 32 scale-copy lanes
       ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32 + kNumConverterWarps);
     }
-    for (int b = 0; b < 2; ++b) {
+    for (int b = 0; b < kNumBfTiles; ++b) {
       ptx::mbarrier_init(&bf_full[b], kNumConverterWarps * 32);
       ptx::mbarrier_init(&bf_empty[b], kNumConsumerThreads / 32);
     }
@@ -398,7 +406,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       }
       ptx::cp_async_wait_all();
     } else if (warp >= 2) {
-      // Token tile -> bf16 tile b (a ring of two). Tile b is free once every consumer warp has finished
+      // Token tile -> bf16 tile b (a ring of kNumBfTiles). Tile b is free once every consumer warp has finished
       // the wgmmas that read it; the stage is released to the producer once its token part is converted.
       const int ctid = threadIdx.x - 64;  // 0..63
       int stage = 0, b = 0;
@@ -421,7 +429,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           __syncwarp();
           if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
           if (++stage == kNumStages) stage = 0, phase ^= 1;
-          if (++b == 2) b = 0, bphase ^= 1;
+          if (++b == kNumBfTiles) b = 0, bphase ^= 1;
         }
       }
     }
@@ -496,7 +504,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
       if (++stage == kNumStages) stage = 0, phase ^= 1;
       prev_b = b;
-      if (++b == 2) b = 0, bphase ^= 1;
+      if (++b == kNumBfTiles) b = 0, bphase ^= 1;
     }
     ptx::wgmma_wait<0>();
 #pragma unroll
