@@ -57,7 +57,6 @@ namespace megamoe::kernels::fp4 {
 constexpr int kBlockN = 256;  // weight rows per tile
 constexpr int kBlockK = 256;  // K per stage (128 packed bytes per weight row)
 constexpr int kNumConverterWarps = 2;  // producer warps 2-3
-constexpr int kNumBfTiles = heuristics::kFP4NumBfTiles;
 
 // Consumer warpgroups per block. Decode (block_m 16): four, one 64-row slice each, so that every
 // scheduler has four consumer warps to switch between (the decode and the wgmma waits of one warp are
@@ -95,6 +94,7 @@ struct Params {
 
 template <int kBlockM, bool kActFP4>
 struct Smem {
+  static constexpr int kNumBfTiles = heuristics::fp4_num_bf_tiles(kBlockM);
   static constexpr int kTileA = kBlockN * kBlockK / 2;
   static constexpr int kTileB = heuristics::fp4_round_1k(kBlockM * (kActFP4 ? 128 : 256));
   static constexpr int kTileSW = kBlockN * kScaleWordsBytes;
@@ -265,6 +265,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
   using S = Smem<kBlockM, kActFP4>;
+  constexpr int kNumBfTiles = S::kNumBfTiles;
   using Mma = ptx::WgmmaBF16RS<kBlockM>;
   constexpr int kRegs = Mma::kNumRegs;
   using R = Roles<kBlockM>;
