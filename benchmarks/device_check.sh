@@ -27,14 +27,6 @@ if has quick || has test; then
   [ -n "$kexpr" ] && args+=(-k "$kexpr")
   python3 -m pytest tests "${args[@]}" 2>&1 | tee "$out/tests.log" | tail -40
 fi
-if has sanitize; then
-  # Reduced GPU suite under compute-sanitizer (memcheck, racecheck on shared memory).
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_gpu_fp8.py -q -p no:cacheprovider \
-      -k "small_shapes and (shape0 or shape2) or masked or one_expert or recv_stats or int64 or bad_expert" 2>&1 | tee "$out/sanitize-$tool.log" | tail -4
-    echo "compute-sanitizer $tool exit: ${PIPESTATUS[0]}"
-  done
-fi
 if has fp4; then
   python3 -m pytest tests/test_gpu_fp4.py tests/test_nvfp4_exactness.py -q -p no:cacheprovider --maxfail=5 2>&1 \
     | tee "$out/tests-fp4.log" | tail -5
@@ -59,4 +51,16 @@ if has ncu; then
 fi
 if has bench; then
   python3 benchmarks/bench_moe.py --formats "${BENCH_FORMATS:-fp8}" --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.log"
+fi
+if has sanitize; then
+  # Last (slowest): reduced GPU suite under compute-sanitizer (memcheck, racecheck on shared memory).
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_gpu_fp8.py -q -p no:cacheprovider \
+      -k "small_shapes and (shape0 or shape2) or masked or one_expert or recv_stats or int64 or bad_expert" 2>&1 | tee "$out/sanitize-$tool.log" | tail -4
+    echo "compute-sanitizer $tool exit (FP8): ${PIPESTATUS[0]}"
+    # FP4 (every weight / activation format pair): small shapes at 7 and 113 tokens, masks, one expert, bad ids.
+    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_gpu_fp4.py -q -p no:cacheprovider \
+      -k "${SANITIZE_FP4_K:-small_shapes and (shape0 or shape2) and (7 or 113) or masked or one_expert or bad_expert}" 2>&1 | tee "$out/sanitize-fp4-$tool.log" | tail -4
+    echo "compute-sanitizer $tool exit (FP4): ${PIPESTATUS[0]}"
+  done
 fi
