@@ -129,6 +129,39 @@ def test_bad_expert_id_skipped_and_reported(weight_format, act_format):
 
 
 @combo
+@pytest.mark.parametrize("clamp", [None, 3.0])
+def test_nan_activation_is_never_silent(weight_format, act_format, clamp):
+    """A NaN in one token's hidden state makes that token's output non-finite (every quantization scale, the
+    SwiGLU clamp and the L1 requantization keep it, as the reference does); the other tokens are unaffected."""
+    case = make_case(8, 256, 384, 3, 64, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=13)
+    case.x = case.x.clone()
+    case.x[5, 17] = float("nan")
+    ref = case.reference(activation_clamp=clamp)
+    y = run_poisoned(case, activation_clamp=clamp)
+    assert not torch.isfinite(y[5]).any()
+    others = torch.arange(64, device="cuda") != 5
+    assert rel_err(y[others], ref[others]) <= TOL
+
+
+@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("scale_byte", [161, 200, 254, 255])
+def test_mxfp4_scale_bytes_past_bf16_range_are_never_silent(act_format, scale_byte):
+    """UE8M0 bytes the decoder's fast path does not cover (factor past bf16, or 255 = NaN) poison exactly the
+    tokens routed to that expert; every other token still matches the reference."""
+    case = make_case(8, 256, 384, 2, 64, "mxfp4", act_format, device="cuda", masked_fraction=0.0, seed=12)
+    layer = dict(case.layer)
+    w13_sf = layer["w13_sf"].clone()
+    w13_sf.view(torch.uint8)[3, 5, 1] = scale_byte  # expert 3, one gate row, second 32-K block
+    layer["w13_sf"] = w13_sf
+    case.l1 = megamoe.transform_weights(layer["w13"], w13_sf, None, weight_format="mxfp4", is_l1=True)
+    y = run_poisoned(case)
+    hit = (case.topk_idx == 3).any(dim=1)
+    assert hit.any() and (~hit).any()
+    assert not torch.isfinite(y[hit]).all(dim=1).any(), "a token routed to the poisoned expert came out finite"
+    assert rel_err(y[~hit], case.ref[~hit]) <= TOL
+
+
+@combo
 def test_capacity_larger_than_tokens(weight_format, act_format):
     case = make_case(8, 256, 384, 3, 33, weight_format, act_format, device="cuda", max_tokens=1000, seed=10)
     assert rel_err(run_poisoned(case), case.ref) <= TOL

@@ -48,6 +48,33 @@ def test_small_shapes(shape, num_tokens):
         assert rel_err(y, case.ref) <= TOL
 
 
+@pytest.mark.parametrize("clamp", [None, 3.0])
+def test_nan_activation_is_never_silent(clamp):
+    """A NaN in one token's hidden state makes that token's output non-finite (the quantization scales,
+    SwiGLU clamp and L1 requantization keep it, as the reference does); the other tokens are unaffected."""
+    case = make_case(8, 256, 384, 3, 64, device="cuda", masked_fraction=0.0, seed=13)
+    case.x = case.x.clone()
+    case.x[5, 17] = float("nan")
+    ref = case.reference(activation_clamp=clamp)
+    y = run_poisoned(case, activation_clamp=clamp)
+    assert not torch.isfinite(y[5]).any()
+    others = torch.arange(64, device="cuda") != 5
+    assert rel_err(y[others], ref[others]) <= TOL
+
+
+def test_nan_weight_scale_is_never_silent():
+    """A NaN block scale of one expert's L1 weights poisons exactly the tokens routed to that expert."""
+    case = make_case(8, 256, 384, 2, 64, device="cuda", masked_fraction=0.0, seed=14)
+    w13_sf = case.layer["w13_sf"].clone()
+    w13_sf[3, 0, 1] = float("nan")
+    case.l1 = megamoe.transform_weights(case.layer["w13"], w13_sf, None, weight_format="fp8", is_l1=True)
+    y = run_poisoned(case)
+    hit = (case.topk_idx == 3).any(dim=1)
+    assert hit.any() and (~hit).any()
+    assert not torch.isfinite(y[hit]).all(dim=1).any(), "a token routed to the poisoned expert came out finite"
+    assert rel_err(y[~hit], case.ref[~hit]) <= TOL
+
+
 def test_masked_tokens_are_zero():
     case = make_case(8, 256, 384, 3, 64, device="cuda", masked_fraction=0.5, seed=3)
     idx = case.topk_idx.clone()

@@ -45,6 +45,21 @@ def test_moe_matches_reference(combo, shape):
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+@pytest.mark.parametrize("clamp", [None, 3.0])
+def test_nan_activation_is_never_silent(combo, clamp):
+    """A NaN in one token's hidden state: that token's row is non-finite in the op as in the reference (no
+    quantization scale or clamp turns it finite), every other row is bitwise the reference's."""
+    c = make_case(E, H, I, K, 16, *combo, masked_fraction=0.0, seed=17)
+    c.x = c.x.clone()
+    c.x[5, 17] = float("nan")
+    ref = c.reference(activation_clamp=clamp)
+    y = c.run(activation_clamp=clamp)
+    assert not torch.isfinite(ref[5]).any() and not torch.isfinite(y[5]).any()
+    others = torch.arange(16) != 5
+    assert_bitwise_equal(y[others], ref[others], "rows without the NaN")
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
 def test_masked_slots(combo):
     """-1 slots contribute nothing; tokens with every slot masked get exactly 0."""
     c = make_case(E, H, I, K, 12, *combo, masked_fraction=0.5, seed=5)

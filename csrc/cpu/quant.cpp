@@ -41,8 +41,10 @@ at::Tensor ceil_pow2(const at::Tensor& s) {
   auto bits = s.to(at::kFloat).contiguous().view(at::kInt);
   auto exponent = bits.bitwise_right_shift(23).bitwise_and(0xFF);
   auto mantissa = bits.bitwise_and(0x7FFFFF);
-  exponent = exponent + mantissa.ne(0).to(at::kInt);
-  return exponent.bitwise_left_shift(23).view(at::kFloat);
+  auto rounded = (exponent + mantissa.ne(0).to(at::kInt)).bitwise_left_shift(23);
+  // Exponent 255 (inf, NaN) keeps its magnitude, as megamoe.formats.ceil_pow2 does: a NaN amax gave -0.0
+  // here, and an MXFP4 block holding a NaN came out finite.
+  return at::where(exponent.eq(0xFF), bits.bitwise_and(0x7FFFFFFF), rounded).view(at::kFloat);
 }
 
 at::Tensor float_to_ue8m0(const at::Tensor& s) {

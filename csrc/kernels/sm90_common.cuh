@@ -122,11 +122,26 @@ __device__ __forceinline__ void ep_wait(uint8_t* buffer, const layout::BufferLay
   }
 }
 
-// Max over groups of kLanes consecutive lanes (kLanes a power of two <= 32).
+// NOTES: NaN-propagating max / min (PTX max.NaN / min.NaN) for every amax and clamp on a quantization
+// path. fmaxf / fminf return the other operand for a NaN (IEEE maxNum): a NaN activation then vanished into
+// a finite scale or a clamp bound and the output came out finite, while the reference (torch amax / clamp)
+// turns the block's scale into NaN. Found by the extreme-scale GPU test (2026-11-22).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+__device__ __forceinline__ float min_nan(float a, float b) {
+  float d;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// Max over groups of kLanes consecutive lanes (kLanes a power of two <= 32); NaN wins.
 template <int kLanes>
 __device__ __forceinline__ float warp_reduce_max(float v) {
 #pragma unroll
-  for (int m = kLanes / 2; m >= 1; m /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  for (int m = kLanes / 2; m >= 1; m /= 2) v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, m));
   return v;
 }
 
@@ -138,16 +153,18 @@ __device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* p, float* v) {
 }
 
 // Positive float -> next power of two, by bits (exponent + 1 when the mantissa is non-zero).
+// Exponent 255 (inf, NaN) keeps its magnitude, as megamoe.formats.ceil_pow2 does (NaN stays NaN; was -0).
 __device__ __forceinline__ float ceil_pow2(float s) {
   uint32_t bits = __float_as_uint(s);
   uint32_t e = (bits >> 23) & 0xFF;
+  if (e == 0xFF) return __uint_as_float(bits & 0x7FFFFFFFu);
   e += (bits & 0x7FFFFF) != 0;
   return __uint_as_float(e << 23);
 }
 __device__ __forceinline__ uint8_t ue8m0_bits(float pow2) { return (__float_as_uint(pow2) >> 23) & 0xFF; }
 
+// Saturating E4M3: equal to clamp(v, ±448) then round for every non-NaN v; NaN stays NaN (0x7F).
 __device__ __forceinline__ uint8_t to_fp8(float v) {
-  v = fminf(fmaxf(v, -kFP8Max), kFP8Max);
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
@@ -246,10 +263,10 @@ __device__ __forceinline__ void store_token_amax(const float* acc, float* out, i
 #pragma unroll
   for (int j = 0; j < kBlockM / 4; ++j) {
     const int i0 = (j / 2) * 4 + (j % 2);
-    float m = fmaxf(fabsf(acc[i0]), fabsf(acc[i0 + 2]));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+    float m = max_nan(fabsf(acc[i0]), fabsf(acc[i0 + 2]));
+    m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, 4));
+    m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, 8));
+    m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, 16));
     if (lane < 4) out[8 * (j / 2) + 2 * lane + (j % 2)] = m;
   }
 }

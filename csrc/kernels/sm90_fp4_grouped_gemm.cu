@@ -60,10 +60,10 @@ __global__ void __launch_bounds__(kRequantThreads) nvfp4_requant_kernel(const fl
     float amax = 0.0f;
     for (int c = lane * 4; c < inter; c += 128) {
       const float4 v = __ldcg(reinterpret_cast<const float4*>(src + c));
-      amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+      amax = max_nan(amax, max_nan(max_nan(fabsf(v.x), fabsf(v.y)), max_nan(fabsf(v.z), fabsf(v.w))));
     }
     amax = warp_reduce_max<32>(amax);
-    const float g = fmaxf(amax, kAmaxEps) / (kE2M1Max * kFP8Max);
+    const float g = max_nan(amax, kAmaxEps) / (kE2M1Max * kFP8Max);
     for (int b = lane; b < inter / 16; b += 32) {
       float v[16];
 #pragma unroll
@@ -73,8 +73,8 @@ __global__ void __launch_bounds__(kRequantThreads) nvfp4_requant_kernel(const fl
       }
       float bmax = 0.0f;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) bmax = fmaxf(bmax, fabsf(v[i]));
-      const __nv_fp8_e4m3 sf(fminf(bmax / (g * kE2M1Max), kFP8Max));
+      for (int i = 0; i < 16; ++i) bmax = max_nan(bmax, fabsf(v[i]));
+      const __nv_fp8_e4m3 sf(min_nan(bmax / (g * kE2M1Max), kFP8Max));
       const float denom = float(sf) * g;
       uint8_t* dst = pool + int64_t(row) * (inter / 2) + b * 8;
       store_e2m1x8(dst, v, denom);

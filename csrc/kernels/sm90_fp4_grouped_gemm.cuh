@@ -562,8 +562,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         float g = __bfloat162float(__float2bfloat16_rn(acc_gate[i] * col_f[j]));
         float u = __bfloat162float(__float2bfloat16_rn(up[i] * col_f[j]));
         if (p.activation_clamp >= 0.0f) {
-          g = fminf(g, p.activation_clamp);
-          u = fminf(fmaxf(u, -p.activation_clamp), p.activation_clamp);
+          g = min_nan(g, p.activation_clamp);
+          u = min_nan(max_nan(u, -p.activation_clamp), p.activation_clamp);
         }
         const float silu = p.fast_math ? __fdividef(g, 1.0f + __expf(-g)) : g / (1.0f + expf(-g));
         acc_gate[i] = silu * u * col_w[j];
@@ -594,16 +594,16 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #pragma unroll
           for (int j = 0; j < kBlockM / 4; ++j) {
             const int col = 8 * (j / 2) + 2 * q + (j % 2);
-            const float amax = fmaxf(amax_smem[(cw & ~1) * kBlockM + col], amax_smem[(cw | 1) * kBlockM + col]);
+            const float amax = max_nan(amax_smem[(cw & ~1) * kBlockM + col], amax_smem[(cw | 1) * kBlockM + col]);
             const int i0 = (j / 2) * 4 + (j % 2);
             const int out = pair * 64 + quad_row;
             float scale;
             uint8_t c0, c1;
             if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
-              scale = ceil_pow2(fmaxf(amax, kAmaxEps) / kFP8Max);
+              scale = ceil_pow2(max_nan(amax, kAmaxEps) / kFP8Max);
               c0 = to_fp8(acc_gate[i0] / scale), c1 = to_fp8(acc_gate[i0 + 2] / scale);
             } else {
-              scale = ceil_pow2(fmaxf(amax, kAmaxEps) / kE2M1Max);
+              scale = ceil_pow2(max_nan(amax, kAmaxEps) / kE2M1Max);
               c0 = static_cast<uint8_t>(e2m1_code(acc_gate[i0] / scale));
               c1 = static_cast<uint8_t>(e2m1_code(acc_gate[i0 + 2] / scale));
             }

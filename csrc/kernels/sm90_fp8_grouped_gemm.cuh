@@ -225,8 +225,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         float g = __bfloat162float(__float2bfloat16_rn(acc0[i]));
         float u = __bfloat162float(__float2bfloat16_rn(acc1[i]));
         if (p.activation_clamp >= 0.0f) {
-          g = fminf(g, p.activation_clamp);
-          u = fminf(fmaxf(u, -p.activation_clamp), p.activation_clamp);
+          g = min_nan(g, p.activation_clamp);
+          u = min_nan(max_nan(u, -p.activation_clamp), p.activation_clamp);
         }
         const float silu = p.fast_math ? __fdividef(g, 1.0f + __expf(-g)) : g / (1.0f + expf(-g));
         acc0[i] = silu * u * col_w[(i / 4) * 2 + (i % 2)];
@@ -242,8 +242,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const int col = 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
         float amax = 0.0f;
 #pragma unroll
-        for (int w = 0; w < 8; ++w) amax = fmaxf(amax, amax_smem[w * kBlockM + col]);
-        const float scale = fmaxf(amax, kAmaxEps) / kFP8Max;
+        for (int w = 0; w < 8; ++w) amax = max_nan(amax, amax_smem[w * kBlockM + col]);
+        const float scale = max_nan(amax, kAmaxEps) / kFP8Max;
         const int i0 = (j / 2) * 4 + (j % 2);
         const int out = consumer * 64 + quad_row;
         const float inv = 1.0f / scale;

@@ -58,14 +58,14 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
     for (int g = threadIdx.x; g < num_groups; g += blockDim.x) {
       float v[kVec];
       load_bf16x8(row + g * kVec, v);
-      for (int i = 0; i < kVec; ++i) amax = fmaxf(amax, fabsf(v[i]));
+      for (int i = 0; i < kVec; ++i) amax = max_nan(amax, fabsf(v[i]));
     }
     amax = warp_reduce_max<32>(amax);
     if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
     __syncthreads();
     amax = 0.0f;
-    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) amax = fmaxf(amax, warp_amax[w]);
-    global_scale = fmaxf(amax, kAmaxEps) / (kE2M1Max * kFP8Max);
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) amax = max_nan(amax, warp_amax[w]);
+    global_scale = max_nan(amax, kAmaxEps) / (kE2M1Max * kFP8Max);
     if (threadIdx.x == 0) reinterpret_cast<float*>(buffer + l.x_global_sf_offset)[token] = global_scale;
   }
 
@@ -80,13 +80,13 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
       for (int i = 0; i < kVec; ++i) v[i] = 0.0f;
     }
     float amax = 0.0f;
-    for (int i = 0; i < kVec; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    for (int i = 0; i < kVec; ++i) amax = max_nan(amax, fabsf(v[i]));
     amax = warp_reduce_max<kLanesPerBlock>(amax);
     if (!active) continue;
     const int blk = g / kLanesPerBlock;
     const bool leader = g % kLanesPerBlock == 0;
     if constexpr (kRecipe == ActRecipe::kFP8F32Block128 || kRecipe == ActRecipe::kFP8UE8M0Block32) {
-      float scale = fmaxf(amax, kAmaxEps) / kFP8Max;
+      float scale = max_nan(amax, kAmaxEps) / kFP8Max;
       if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) scale = ceil_pow2(scale);
       store_fp8x8(data + g * kVec, v, scale);
       if (leader) {
@@ -94,11 +94,11 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
         else sf[blk] = ue8m0_bits(scale);
       }
     } else if constexpr (kRecipe == ActRecipe::kMXFP4) {
-      const float scale = ceil_pow2(fmaxf(amax, kAmaxEps) / kE2M1Max);
+      const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / kE2M1Max);
       store_e2m1x8(data + g * (kVec / 2), v, scale);
       if (leader) sf[blk] = ue8m0_bits(scale);
     } else {
-      const __nv_fp8_e4m3 block_sf(fminf(amax / (global_scale * kE2M1Max), kFP8Max));
+      const __nv_fp8_e4m3 block_sf(min_nan(amax / (global_scale * kE2M1Max), kFP8Max));
       const float denom = float(block_sf) * global_scale;
       store_e2m1x8(data + g * (kVec / 2), v, denom);
       if (leader) sf[blk] = block_sf.__x;
