@@ -30,12 +30,14 @@ CUDA_SRC = r"""
 __device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
 __global__ void __launch_bounds__(32, 1) stream_kernel(const uint8_t* src, int64_t bytes_per_cta, int stage_bytes,
-                                                       int stages, int rows_pattern, int row_stride) {
+                                                       int stages, int rows_pattern, int row_stride,
+                                                       int64_t wrap_bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) uint8_t smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + int64_t(stages) * stage_bytes);
   const int lane = threadIdx.x;
-  const uint8_t* base = src + blockIdx.x * bytes_per_cta;
+  // With wrap_bytes > 0 each CTA re-reads its first wrap_bytes (L2-resident when they all fit).
+  const uint8_t* base = src + blockIdx.x * (wrap_bytes > 0 ? wrap_bytes : bytes_per_cta);
   if (lane == 0) {
     for (int s = 0; s < stages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&full[s])));
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -53,7 +55,7 @@ __global__ void __launch_bounds__(32, 1) stream_kernel(const uint8_t* src, int64
     if (!rows_pattern) {
       if (lane == 0)
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     ::"r"(saddr(dst)), "l"(base + i * stage_bytes), "r"(stage_bytes), "r"(saddr(&full[s])) : "memory");
+                     ::"r"(saddr(dst)), "l"(base + (wrap_bytes > 0 ? i * stage_bytes % wrap_bytes : i * stage_bytes)), "r"(stage_bytes), "r"(saddr(&full[s])) : "memory");
     } else {
       // Stage i: column chunk i % chunks of row block i / chunks (K innermost, as the GEMM walks a tile).
       const uint8_t* blk = base + (i / chunks) * int64_t(rows) * row_stride + (i % chunks) * 128;
@@ -77,12 +79,12 @@ __global__ void __launch_bounds__(32, 1) stream_kernel(const uint8_t* src, int64
 }
 
 cudaError_t launch_stream(const uint8_t* src, int num_ctas, int64_t bytes_per_cta, int stage_bytes, int stages,
-                          bool rows_pattern, int row_stride, cudaStream_t stream) {
+                          bool rows_pattern, int row_stride, int64_t wrap_bytes, cudaStream_t stream) {
   const int smem = stages * stage_bytes + stages * 8;
   const cudaError_t err = cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   stream_kernel<<<num_ctas, 32, smem, stream>>>(src, bytes_per_cta, stage_bytes, stages, rows_pattern ? 1 : 0,
-                                                 row_stride);
+                                                 row_stride, wrap_bytes);
   return cudaGetLastError();
 }
 """
@@ -93,24 +95,26 @@ CPP_SRC = r"""
 #include <cuda_runtime.h>
 
 cudaError_t launch_stream(const uint8_t* src, int num_ctas, int64_t bytes_per_cta, int stage_bytes, int stages,
-                          bool rows_pattern, int row_stride, cudaStream_t stream);
+                          bool rows_pattern, int row_stride, int64_t wrap_bytes, cudaStream_t stream);
 
 void stream(torch::Tensor src, int64_t num_ctas, int64_t bytes_per_cta, int64_t stage_bytes, int64_t stages,
-            bool rows_pattern, int64_t row_stride) {
+            bool rows_pattern, int64_t row_stride, int64_t wrap_bytes) {
   TORCH_CHECK(src.is_cuda() && src.numel() >= num_ctas * bytes_per_cta, "src: too small");
   const cudaError_t err = launch_stream(src.data_ptr<uint8_t>(), static_cast<int>(num_ctas), bytes_per_cta,
                                         static_cast<int>(stage_bytes), static_cast<int>(stages), rows_pattern,
-                                        static_cast<int>(row_stride), c10::cuda::getCurrentCUDAStream());
+                                        static_cast<int>(row_stride), wrap_bytes, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "stream_kernel: ", cudaGetErrorString(err));
 }
 """
 
 
 def median_us(fn, flush, iters=15):
+    """Median of CUDA-event times after a warm-up; flush=None keeps L2 warm (L2-resident cases)."""
     fn()
     times = []
     for _ in range(iters):
-        flush.zero_()  # evict L2 so every byte comes from HBM
+        if flush is not None:
+            flush.zero_()  # evict L2 so every byte comes from HBM
         s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()
@@ -143,21 +147,28 @@ def main():
     copy_tbs = copy_ceiling(flush)
     print(f"{props.name}: {sms} SMs, device copy {copy_tbs:.2f} TB/s (read + write)")
     rows = []
-    print(f"{'pattern':10} {'SMs':>4} {'stages':>6} {'stage KB':>8} {'in flight KB':>12} {'TB/s':>6} "
+    print(f"{'source':6} {'pattern':10} {'SMs':>4} {'stages':>6} {'stage KB':>8} {'in flight KB':>12} {'TB/s':>6} "
           f"{'/ copy':>6} {'GB/s per SM':>11}")
-    for pattern in ("contiguous", "rows"):
-        for stage_bytes, stages in ((32768, 2), (32768, 4), (32768, 6), (16384, 12), (65536, 3)):
-            for n in (16, 48, 96, 132):
-                n = min(n, sms)
-                us = median_us(lambda: mod.stream(src, n, per_cta, stage_bytes, stages, pattern == "rows", 4096),
-                               flush)
-                tbs = n * per_cta / us / 1e6
-                row = dict(pattern=pattern, sms=n, stages=stages, stage_bytes=stage_bytes, us=round(us, 1),
-                           tb_per_s=round(tbs, 3), over_copy=round(tbs / copy_tbs, 3),
-                           gb_per_s_per_sm=round(tbs * 1000 / n, 1))
-                rows.append(row)
-                print(f"{pattern:10} {n:4d} {stages:6d} {stage_bytes // 1024:8d} {stages * stage_bytes // 1024:12d} "
-                      f"{tbs:6.2f} {tbs / copy_tbs:6.2f} {row['gb_per_s_per_sm']:11.1f}", flush=True)
+    # HBM: every CTA streams its own 4 MB (L2 flushed before each run). L2: every CTA re-reads its own 128 KB
+    # (17 MB in all at 132 SMs, L2-resident after the warm-up), the regime of the T=8192 GEMMs, whose weight
+    # tiles are shared by the CTAs of an expert's token blocks and mostly served by L2.
+    cases = [("HBM", p, sb, st) for p in ("contiguous", "rows")
+             for sb, st in ((32768, 2), (32768, 4), (32768, 6), (16384, 12), (65536, 3))]
+    cases += [("L2", "contiguous", sb, st) for sb, st in ((32768, 2), (40960, 4), (32768, 6), (16384, 12))]
+    for source, pattern, stage_bytes, stages in cases:
+        for n in (16, 48, 96, 132):
+            n = min(n, sms)
+            wrap = 128 << 10 if source == "L2" else 0
+            us = median_us(lambda: mod.stream(src, n, per_cta, stage_bytes, stages, pattern == "rows", 4096, wrap),
+                           flush if source == "HBM" else None)
+            tbs = n * per_cta / us / 1e6
+            row = dict(source=source, pattern=pattern, sms=n, stages=stages, stage_bytes=stage_bytes,
+                       us=round(us, 1), tb_per_s=round(tbs, 3), over_copy=round(tbs / copy_tbs, 3),
+                       gb_per_s_per_sm=round(tbs * 1000 / n, 1))
+            rows.append(row)
+            print(f"{source:6} {pattern:10} {n:4d} {stages:6d} {stage_bytes // 1024:8d} "
+                  f"{stages * stage_bytes // 1024:12d} {tbs:6.2f} {tbs / copy_tbs:6.2f} "
+                  f"{row['gb_per_s_per_sm']:11.1f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=props.name, copy_tb_per_s=round(copy_tbs, 3), rows=rows), f, indent=1)
