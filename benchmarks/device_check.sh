@@ -3,6 +3,7 @@
 #   benchmarks/device_check.sh [build|quick|test|sanitize|profile|bench|fp4|all][,more modes] [pytest -k expression]
 #   fp4: the FP4 GPU tests (with the sweep and the exactness test), then the FP4 probe benchmark.
 #   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below).
+#   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py).
 #   Modes combine with commas (e.g. fp4,bench); BENCH_FORMATS picks bench_moe's --formats (default fp8).
 set -uo pipefail
 what=${1:-all}
@@ -31,6 +32,9 @@ if has fp4; then
   python3 -m pytest tests/test_gpu_fp4.py tests/test_nvfp4_exactness.py -q -p no:cacheprovider --maxfail=5 2>&1 \
     | tee "$out/tests-fp4.log" | tail -5
   python3 benchmarks/bench_fp4_probe.py --check --bench --tokens 1,16,128,512 2>&1 | tee "$out/fp4-probe.log"
+fi
+if has stream; then
+  python3 benchmarks/probe_stream.py --json "$out/stream.json" 2>&1 | tee "$out/stream.log"
 fi
 if has profile; then
   (cd benchmarks && python3 profile_moe.py --model V4-Flash --tokens 1,128,8192) 2>&1 | tee "$out/profile.log"

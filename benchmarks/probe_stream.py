@@ -1,0 +1,178 @@
+"""Ceiling probe: how fast can N SMs stream from HBM into shared memory with bulk copies, as a function of
+the bytes each SM keeps in flight and of the access pattern? (METHOD.md: measure the ceiling before
+optimising against it.)
+
+The grouped GEMMs stream ~23 GB/s per busy SM at T=1 (96 of 132 SMs busy, DRAM at 66 %) and the same per
+SM at T=16 with all SMs busy (DRAM-bound there). This probe separates the two explanations: a per-SM cap
+(in-flight bytes / latency) would show as a flat GB/s-per-SM column independent of the SM count; a shared
+DRAM limit as a flat total.
+
+One CTA per SM, one warp: a ring of `stages` shared-memory buffers of `stage_bytes`, each refilled as soon
+as it lands (no consumer work). Patterns:
+  contiguous  one 1D bulk copy (cp.async.bulk) per stage;
+  rows        the weight-tile walk of the grouped GEMMs: a stage is stage_bytes / 128 rows of 128 bytes,
+              row stride 4096 (an L1 weight matrix of V4-Flash), K innermost; 128-byte bulk copies.
+
+    python3 benchmarks/probe_stream.py [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+CUDA_SRC = r"""
+#include <cuda_runtime.h>
+#include <cstdint>
+
+__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__global__ void __launch_bounds__(32, 1) stream_kernel(const uint8_t* src, int64_t bytes_per_cta, int stage_bytes,
+                                                       int stages, int rows_pattern, int row_stride,
+                                                       int64_t wrap_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + int64_t(stages) * stage_bytes);
+  const int lane = threadIdx.x;
+  // With wrap_bytes > 0 each CTA re-reads its first wrap_bytes (L2-resident when they all fit).
+  const uint8_t* base = src + blockIdx.x * (wrap_bytes > 0 ? wrap_bytes : bytes_per_cta);
+  if (lane == 0) {
+    for (int s = 0; s < stages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&full[s])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncwarp();
+  const int64_t num_loads = bytes_per_cta / stage_bytes;
+  const int rows = stage_bytes / 128, chunks = row_stride / 128;
+  auto issue = [&](int64_t i) {
+    const int s = static_cast<int>(i % stages);
+    uint8_t* dst = smem + int64_t(s) * stage_bytes;
+    if (lane == 0)
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(&full[s])), "r"(stage_bytes)
+                   : "memory");
+    __syncwarp();
+    if (!rows_pattern) {
+      if (lane == 0)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(saddr(dst)), "l"(base + (wrap_bytes > 0 ? i * stage_bytes % wrap_bytes : i * stage_bytes)), "r"(stage_bytes), "r"(saddr(&full[s])) : "memory");
+    } else {
+      // Stage i: column chunk i % chunks of row block i / chunks (K innermost, as the GEMM walks a tile).
+      const uint8_t* blk = base + (i / chunks) * int64_t(rows) * row_stride + (i % chunks) * 128;
+      for (int r = lane; r < rows; r += 32)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 128, [%2];"
+                     ::"r"(saddr(dst + r * 128)), "l"(blk + int64_t(r) * row_stride), "r"(saddr(&full[s])) : "memory");
+    }
+  };
+  for (int64_t i = 0; i < num_loads && i < stages; ++i) issue(i);
+  for (int64_t i = 0; i < num_loads; ++i) {
+    const int s = static_cast<int>(i % stages);
+    const uint32_t parity = static_cast<uint32_t>((i / stages) & 1);
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n}\n" ::"r"(saddr(&full[s])), "r"(parity) : "memory");
+    __syncwarp();
+    if (i + stages < num_loads) issue(i + stages);
+  }
+#endif
+}
+
+cudaError_t launch_stream(const uint8_t* src, int num_ctas, int64_t bytes_per_cta, int stage_bytes, int stages,
+                          bool rows_pattern, int row_stride, int64_t wrap_bytes, cudaStream_t stream) {
+  const int smem = stages * stage_bytes + stages * 8;
+  const cudaError_t err = cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  stream_kernel<<<num_ctas, 32, smem, stream>>>(src, bytes_per_cta, stage_bytes, stages, rows_pattern ? 1 : 0,
+                                                 row_stride, wrap_bytes);
+  return cudaGetLastError();
+}
+"""
+
+CPP_SRC = r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+cudaError_t launch_stream(const uint8_t* src, int num_ctas, int64_t bytes_per_cta, int stage_bytes, int stages,
+                          bool rows_pattern, int row_stride, int64_t wrap_bytes, cudaStream_t stream);
+
+void stream(torch::Tensor src, int64_t num_ctas, int64_t bytes_per_cta, int64_t stage_bytes, int64_t stages,
+            bool rows_pattern, int64_t row_stride, int64_t wrap_bytes) {
+  TORCH_CHECK(src.is_cuda() && src.numel() >= num_ctas * bytes_per_cta, "src: too small");
+  const cudaError_t err = launch_stream(src.data_ptr<uint8_t>(), static_cast<int>(num_ctas), bytes_per_cta,
+                                        static_cast<int>(stage_bytes), static_cast<int>(stages), rows_pattern,
+                                        static_cast<int>(row_stride), wrap_bytes, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "stream_kernel: ", cudaGetErrorString(err));
+}
+"""
+
+
+def median_us(fn, flush, iters=15):
+    """Median of CUDA-event times after a warm-up; flush=None keeps L2 warm (L2-resident cases)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        if flush is not None:
+            flush.zero_()  # evict L2 so every byte comes from HBM
+        s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        t.record()
+        t.synchronize()
+        times.append(s.elapsed_time(t) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_ceiling(flush):
+    """Device copy bandwidth of this run (read + write, TB/s), as bench_moe measures it."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / median_us(lambda: b.copy_(a), flush, 10) / 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--bytes-per-cta", type=int, default=4 << 20)
+    args = ap.parse_args()
+    mod = load_inline("megamoe_probe_stream", CPP_SRC, cuda_sources=CUDA_SRC, functions=["stream"],
+                      extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"], verbose=False)
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    per_cta = args.bytes_per_cta
+    src = torch.empty(sms * per_cta, dtype=torch.uint8, device="cuda")
+    src.random_(0, 256)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    copy_tbs = copy_ceiling(flush)
+    print(f"{props.name}: {sms} SMs, device copy {copy_tbs:.2f} TB/s (read + write)")
+    rows = []
+    print(f"{'source':6} {'pattern':10} {'SMs':>4} {'stages':>6} {'stage KB':>8} {'in flight KB':>12} {'TB/s':>6} "
+          f"{'/ copy':>6} {'GB/s per SM':>11}")
+    # HBM: every CTA streams its own 4 MB (L2 flushed before each run). L2: every CTA re-reads its own 128 KB
+    # (17 MB in all at 132 SMs, L2-resident after the warm-up), the regime of the T=8192 GEMMs, whose weight
+    # tiles are shared by the CTAs of an expert's token blocks and mostly served by L2.
+    cases = [("HBM", p, sb, st) for p in ("contiguous", "rows")
+             for sb, st in ((32768, 2), (32768, 4), (32768, 6), (16384, 12), (65536, 3))]
+    cases += [("L2", "contiguous", sb, st) for sb, st in ((32768, 2), (40960, 4), (32768, 6), (16384, 12))]
+    for source, pattern, stage_bytes, stages in cases:
+        for n in (16, 48, 96, 132):
+            n = min(n, sms)
+            wrap = 128 << 10 if source == "L2" else 0
+            us = median_us(lambda: mod.stream(src, n, per_cta, stage_bytes, stages, pattern == "rows", 4096, wrap),
+                           flush if source == "HBM" else None)
+            tbs = n * per_cta / us / 1e6
+            row = dict(source=source, pattern=pattern, sms=n, stages=stages, stage_bytes=stage_bytes,
+                       us=round(us, 1), tb_per_s=round(tbs, 3), over_copy=round(tbs / copy_tbs, 3),
+                       gb_per_s_per_sm=round(tbs * 1000 / n, 1))
+            rows.append(row)
+            print(f"{source:6} {pattern:10} {n:4d} {stages:6d} {stage_bytes // 1024:8d} "
+                  f"{stages * stage_bytes // 1024:12d} {tbs:6.2f} {tbs / copy_tbs:6.2f} "
+                  f"{row['gb_per_s_per_sm']:11.1f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=props.name, copy_tb_per_s=round(copy_tbs, 3), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
