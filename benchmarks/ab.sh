@@ -25,7 +25,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 for tree in "${trees[@]}"; do
   name=$(name_of "$tree")
   start=$(date +%s)
-  (cd "$tree" && python3 setup.py build_ext --inplace >"$out/build-$name.log" 2>&1) || { tail -40 "$out/build-$name.log"; exit 1; }
+  if ! (cd "$tree" && python3 setup.py build_ext --inplace >"$out/build-$name.log" 2>&1); then
+    tail -40 "$out/build-$name.log"
+    exit 1
+  fi
   echo "build $name: $(( $(date +%s) - start )) s"
   if [ -n "${AB_TESTS:-}" ]; then
     args=(-q -m gpu -p no:cacheprovider --maxfail=5)
@@ -42,7 +45,8 @@ for round in $(seq 1 "${AB_ROUNDS:-2}"); do
     name=$(name_of "$tree")
     (cd "$tree" && PYTHONPATH=$tree python3 benchmarks/bench_moe.py --no-peer --formats "${AB_FORMATS:-fp8}" \
       --models "${AB_MODELS:-V4-Flash,V4-Pro}" --tokens "${AB_TOKENS:-1,16,512,2048,8192}" \
-      --json "$out/ab-$name-$round.json") >"$out/ab-$name-$round.log" 2>&1 || { tail -20 "$out/ab-$name-$round.log"; exit 1; }
+      --json "$out/ab-$name-$round.json") >"$out/ab-$name-$round.log" 2>&1
+    [ $? = 0 ] || { tail -20 "$out/ab-$name-$round.log"; exit 1; }
     echo "round $round $name done"
   done
 done
