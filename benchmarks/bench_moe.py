@@ -178,7 +178,7 @@ def run_fp4(models, tokens, ceilings, formats_, act_formats, fp8_rows):
     return rows
 
 
-def run(models, tokens, ceilings):
+def run(models, tokens, ceilings, with_peer=True):
     rows = []
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
@@ -186,7 +186,7 @@ def run(models, tokens, ceilings):
         cfg = MODELS[name]
         e, k, h, i = cfg["num_experts"], cfg["top_k"], cfg["hidden"], cfg["intermediate"]
         l1, l2 = make_layer(cfg, gen)
-        peer = PeerPipeline(l1, l2, cfg)
+        peer = PeerPipeline(l1, l2, cfg) if with_peer else None
         expert_bytes = 3 * i * h + (l1[1][0].numel() + l2[1][0].numel()) * 4
         for t in tokens:
             x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
@@ -202,12 +202,13 @@ def run(models, tokens, ceilings):
             eager_us = bu.time_events(ours) if t == 1 else None
             y_ours = y.clone()
             y_peer = torch.empty_like(x)
-            try:
-                peer_us = bu.time_graph(lambda: peer(x, idx, w, y_peer))
-                diff = ((y_peer.double() - y_ours.double()).norm() / y_ours.double().norm()).item()
-            except (RuntimeError, NotImplementedError) as err:  # peer op missing on this torch/GPU
-                print(f"peer unavailable: {err}")
-                peer_us, diff = None, None
+            peer_us, diff = None, None
+            if peer is not None:
+                try:
+                    peer_us = bu.time_graph(lambda: peer(x, idx, w, y_peer))
+                    diff = ((y_peer.double() - y_ours.double()).norm() / y_ours.double().norm()).item()
+                except (RuntimeError, NotImplementedError) as err:  # peer op missing on this torch/GPU
+                    print(f"peer unavailable: {err}")
             touched = torch.unique(idx).numel()
             nbytes = touched * expert_bytes
             flops = 2 * t * k * 3 * i * h
@@ -260,13 +261,14 @@ def main():
     ap.add_argument("--act-formats", default="fp8,fp4", help="activation formats of the FP4 rows")
     ap.add_argument("--json")
     ap.add_argument("--plot")
+    ap.add_argument("--no-peer", action="store_true", help="skip the peer pipeline (A/B runs of megamoe versions)")
     args = ap.parse_args()
     ceilings = {"copy_bytes_per_s": bu.measure_copy_bandwidth(), "fp8_flops_per_s": bu.measure_fp8_matmul_flops()}
     print(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
           f"FP8 matmul {ceilings['fp8_flops_per_s'] / 1e12:.0f} TFLOP/s")
     models, tokens = args.models.split(","), [int(t) for t in args.tokens.split(",")]
     formats_ = args.formats.split(",")
-    rows = run(models, tokens, ceilings) if "fp8" in formats_ else []
+    rows = run(models, tokens, ceilings, with_peer=not args.no_peer) if "fp8" in formats_ else []
     fp4 = [f for f in formats_ if f != "fp8"]
     if fp4:
         rows += run_fp4(models, tokens, ceilings, fp4, args.act_formats.split(","), rows)

@@ -23,6 +23,8 @@ import json
 import torch
 from torch.utils.cpp_extension import load_inline
 
+import bench_utils as bu
+
 CUDA_SRC = r"""
 #include <cuda_runtime.h>
 #include <cstdint>
@@ -53,9 +55,10 @@ __global__ void __launch_bounds__(32, 1) stream_kernel(const uint8_t* src, int64
                    : "memory");
     __syncwarp();
     if (!rows_pattern) {
+      const uint8_t* from = base + (wrap_bytes > 0 ? i * stage_bytes % wrap_bytes : i * stage_bytes);
       if (lane == 0)
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     ::"r"(saddr(dst)), "l"(base + (wrap_bytes > 0 ? i * stage_bytes % wrap_bytes : i * stage_bytes)), "r"(stage_bytes), "r"(saddr(&full[s])) : "memory");
+                     ::"r"(saddr(dst)), "l"(from), "r"(stage_bytes), "r"(saddr(&full[s])) : "memory");
     } else {
       // Stage i: column chunk i % chunks of row block i / chunks (K innermost, as the GEMM walks a tile).
       const uint8_t* blk = base + (i / chunks) * int64_t(rows) * row_stride + (i % chunks) * 128;
@@ -108,29 +111,6 @@ void stream(torch::Tensor src, int64_t num_ctas, int64_t bytes_per_cta, int64_t 
 """
 
 
-def median_us(fn, flush, iters=15):
-    """Median of CUDA-event times after a warm-up; flush=None keeps L2 warm (L2-resident cases)."""
-    fn()
-    times = []
-    for _ in range(iters):
-        if flush is not None:
-            flush.zero_()  # evict L2 so every byte comes from HBM
-        s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        t.record()
-        t.synchronize()
-        times.append(s.elapsed_time(t) * 1000)
-    return sorted(times)[len(times) // 2]
-
-
-def copy_ceiling(flush):
-    """Device copy bandwidth of this run (read + write, TB/s), as bench_moe measures it."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() / median_us(lambda: b.copy_(a), flush, 10) / 1e6
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -143,8 +123,7 @@ def main():
     per_cta = args.bytes_per_cta
     src = torch.empty(sms * per_cta, dtype=torch.uint8, device="cuda")
     src.random_(0, 256)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    copy_tbs = copy_ceiling(flush)
+    copy_tbs = bu.measure_copy_bandwidth() / 1e12
     print(f"{props.name}: {sms} SMs, device copy {copy_tbs:.2f} TB/s (read + write)")
     rows = []
     print(f"{'source':6} {'pattern':10} {'SMs':>4} {'stages':>6} {'stage KB':>8} {'in flight KB':>12} {'TB/s':>6} "
@@ -159,8 +138,10 @@ def main():
         for n in (16, 48, 96, 132):
             n = min(n, sms)
             wrap = 128 << 10 if source == "L2" else 0
-            us = median_us(lambda: mod.stream(src, n, per_cta, stage_bytes, stages, pattern == "rows", 4096, wrap),
-                           flush if source == "HBM" else None)
+            def call():
+                mod.stream(src, n, per_cta, stage_bytes, stages, pattern == "rows", 4096, wrap)
+
+            us = bu.time_events(call, iters=15, flush=source == "HBM")  # L2 cases keep L2 warm
             tbs = n * per_cta / us / 1e6
             row = dict(source=source, pattern=pattern, sms=n, stages=stages, stage_bytes=stage_bytes,
                        us=round(us, 1), tb_per_s=round(tbs, 3), over_copy=round(tbs / copy_tbs, 3),
