@@ -4,8 +4,8 @@
 # named "here". Prepare them here, e.g.
 #   rm -rf .ab && for b in main wip/x; do mkdir -p .ab/${b//\//-} && git archive $b | tar -x -C .ab/${b//\//-}; done
 #   device: run(command="AB_VARIANTS='.ab/main .ab/wip-x' bash benchmarks/ab.sh", carry=[".ab"])
-# Each tree is built in place; with AB_TESTS (a pytest -k expression, or "all") every variant's GPU tests run
-# (-m gpu); bench_moe (no peer pipeline) then runs on the variants in turn, AB_ROUNDS times, and the last
+# Each tree is built in place; with AB_TESTS (a pytest -k expression, or "all") the GPU tests (-m gpu, 300 s
+# per test at most) of every variant but the first (the verified base) run; bench_moe (no peer pipeline) then runs on the variants in turn, AB_ROUNDS times, and the last
 # lines give each row's median time / floor per variant and its median time over the first variant's.
 #   AB_FORMATS (fp8), AB_MODELS (V4-Flash,V4-Pro), AB_TOKENS (1,16,512,2048,8192), AB_ROUNDS (2)
 set -uo pipefail
@@ -30,8 +30,8 @@ for tree in "${trees[@]}"; do
     exit 1
   fi
   echo "build $name: $(( $(date +%s) - start )) s"
-  if [ -n "${AB_TESTS:-}" ]; then
-    args=(-q -m gpu -p no:cacheprovider --maxfail=5)
+  if [ -n "${AB_TESTS:-}" ] && [ "$tree" != "${trees[0]}" ]; then
+    args=(-q -m gpu -p no:cacheprovider --maxfail=5 --timeout=300)
     [ "$AB_TESTS" != all ] && args+=(-k "$AB_TESTS")
     (cd "$tree" && PYTHONPATH=$tree python3 -m pytest tests "${args[@]}") >"$out/tests-$name.log" 2>&1
     rc=$?
