@@ -1,24 +1,18 @@
 #!/usr/bin/env bash
 # A/B of source trees in one device call (METHOD.md: compare versions only within one run).
-# The variants are the trees in AB_VARIANTS (default .ab/base; ignored by git: carry .ab) plus this tree,
-# named "here". Prepare them here, e.g.
+# AB_VARIANTS: space-separated variants, each a tree (a folder; "." is this one) optionally followed by
+# ",VAR=VALUE" settings for its runs (the same tree may appear with several settings); default ".ab/base .".
+# Trees other than "." are copies ignored by git (carry .ab). Prepare them here, e.g.
 #   rm -rf .ab && for b in main wip/x; do mkdir -p .ab/${b//\//-} && git archive $b | tar -x -C .ab/${b//\//-}; done
-#   device: run(command="AB_VARIANTS='.ab/main .ab/wip-x' bash benchmarks/ab.sh", carry=[".ab"])
-# Each tree is built in place; with AB_TESTS (a pytest -k expression, or "all") the GPU tests (-m gpu, 300 s
-# per test at most) of every variant but the first (the verified base) run; bench_moe (no peer pipeline)
-# then runs on the variants in turn, AB_ROUNDS times. Under $OUT (at most 8 files come back): ab.txt (the
-# table: each row's median time / floor per variant and its median time over the first variant's),
-# ab.json (every row, with variant and round), ab-log.txt (build, test and bench logs, tails).
+#   device: run(command="AB_VARIANTS='.ab/main .ab/wip-x .,MEGAMOE_FP8_FUSED=1' bash benchmarks/ab.sh", carry=[".ab"])
+# Each tree is built once, in place; with AB_TESTS (a pytest -k expression, or "all") the GPU tests (-m gpu, 300 s
+# per test at most) run for every variant but the first (the verified base), with its settings; bench_moe (no
+# peer pipeline) then runs on the variants in turn, AB_ROUNDS times. Under $OUT (at most 8 files come back):
+# ab.txt (each row's median time / floor per variant and its median time over the first variant's), ab.json
+# (every row, with variant and round), ab-log.txt (build, test and bench logs).
 #   AB_FORMATS (fp8), AB_MODELS (V4-Flash,V4-Pro), AB_TOKENS (1,16,512,2048,8192), AB_ROUNDS (1)
 set -uo pipefail
 here=$(pwd)
-trees=()
-for v in ${AB_VARIANTS:-.ab/base}; do
-  [ -d "$v" ] || { echo "ab.sh: no tree at $v (see the header of this script)"; exit 2; }
-  trees+=("$(cd "$v" && pwd)")
-done
-trees+=("$here")
-name_of() { [ "$1" = "$here" ] && echo here || basename "$1"; }
 out=${OUT:-device_out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 work=$(mktemp -d)
@@ -26,59 +20,82 @@ log="$out/ab-log.txt"
 export CXX=/usr/bin/g++ CC=/usr/bin/gcc TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$log"
 
-for tree in "${trees[@]}"; do
-  name=$(name_of "$tree")
-  start=$(date +%s)
-  if ! (cd "$tree" && python3 setup.py build_ext --inplace >"$work/build-$name.log" 2>&1); then
-    tail -40 "$work/build-$name.log" | tee -a "$log"
-    exit 1
-  fi
-  echo "build $name: $(( $(date +%s) - start )) s" | tee -a "$log"
-  if [ -n "${AB_TESTS:-}" ] && [ "$tree" != "${trees[0]}" ]; then
-    args=(-q -m gpu -p no:cacheprovider --maxfail=5 --timeout=300)
-    [ "$AB_TESTS" != all ] && args+=(-k "$AB_TESTS")
-    (cd "$tree" && PYTHONPATH=$tree python3 -m pytest tests "${args[@]}") >"$work/tests-$name.log" 2>&1
-    rc=$?
-    { echo "== tests $name (rc $rc)"; tail -30 "$work/tests-$name.log"; } >>"$log"
-    echo "tests $name: $(tail -1 "$work/tests-$name.log")"
-    [ $rc = 0 ] || { tail -30 "$work/tests-$name.log"; echo "ab.sh: $name failed its GPU tests; no benchmark"; exit 1; }
+specs=(${AB_VARIANTS:-.ab/base .})
+names=()
+declare -A built
+for spec in "${specs[@]}"; do
+  dir=${spec%%,*}
+  [ -d "$dir" ] || { echo "ab.sh: no tree at $dir (see the header of this script)"; exit 2; }
+  tree=$(cd "$dir" && pwd)
+  name=$([ "$tree" = "$here" ] && echo here || basename "$tree")
+  [ "$spec" != "$dir" ] && name="$name+${spec#*,}"
+  name=${name//[^A-Za-z0-9._+-]/-}
+  names+=("$name")
+  if [ -z "${built[$tree]:-}" ]; then
+    start=$(date +%s)
+    if ! (cd "$tree" && python3 setup.py build_ext --inplace >"$work/build.log" 2>&1); then
+      tail -40 "$work/build.log" | tee -a "$log"
+      exit 1
+    fi
+    built[$tree]=1
+    echo "build $name: $(( $(date +%s) - start )) s" | tee -a "$log"
   fi
 done
 
-for round in $(seq 1 "${AB_ROUNDS:-1}"); do
-  for tree in "${trees[@]}"; do
-    name=$(name_of "$tree")
-    (cd "$tree" && PYTHONPATH=$tree python3 benchmarks/bench_moe.py --no-peer --formats "${AB_FORMATS:-fp8}" \
-      --models "${AB_MODELS:-V4-Flash,V4-Pro}" --tokens "${AB_TOKENS:-1,16,512,2048,8192}" \
-      --json "$work/ab-$name-$round.json") >"$work/ab-$name-$round.log" 2>&1
+# Runs "$@" in variant i's tree with its settings.
+in_variant() {
+  local i=$1; shift
+  local spec=${specs[$i]} dir=${specs[$i]%%,*}
+  local envs=()
+  [ "$spec" != "$dir" ] && IFS=, read -ra envs <<<"${spec#*,}"
+  (cd "$dir" && env PYTHONPATH="$(pwd)" "${envs[@]}" "$@")
+}
+
+if [ -n "${AB_TESTS:-}" ]; then
+  for i in "${!specs[@]}"; do
+    [ "$i" = 0 ] && continue
+    args=(-q -m gpu -p no:cacheprovider --maxfail=5 --timeout=300)
+    [ "$AB_TESTS" != all ] && args+=(-k "$AB_TESTS")
+    in_variant "$i" python3 -m pytest tests "${args[@]}" >"$work/tests.log" 2>&1
     rc=$?
-    { echo "== bench $name round $round (rc $rc)"; cat "$work/ab-$name-$round.log"; } >>"$log"
-    [ $rc = 0 ] || { tail -20 "$work/ab-$name-$round.log"; exit 1; }
-    echo "round $round $name done"
+    { echo "== tests ${names[$i]} (rc $rc)"; tail -30 "$work/tests.log"; } >>"$log"
+    echo "tests ${names[$i]}: $(tail -1 "$work/tests.log")"
+    [ $rc = 0 ] || { tail -30 "$work/tests.log"; echo "ab.sh: ${names[$i]} failed its GPU tests; no benchmark"; exit 1; }
+  done
+fi
+
+for round in $(seq 1 "${AB_ROUNDS:-1}"); do
+  for i in "${!specs[@]}"; do
+    in_variant "$i" python3 benchmarks/bench_moe.py --no-peer --formats "${AB_FORMATS:-fp8}" \
+      --models "${AB_MODELS:-V4-Flash,V4-Pro}" --tokens "${AB_TOKENS:-1,16,512,2048,8192}" \
+      --json "$work/ab-$i-$round.json" >"$work/bench.log" 2>&1
+    rc=$?
+    { echo "== bench ${names[$i]} round $round (rc $rc)"; cat "$work/bench.log"; } >>"$log"
+    [ $rc = 0 ] || { tail -20 "$work/bench.log"; exit 1; }
+    echo "round $round ${names[$i]} done"
   done
 done
 
-names=()
-for tree in "${trees[@]}"; do names+=("$(name_of "$tree")"); done
 python3 - "$work" "$out" "${names[@]}" <<'PY' | tee "$out/ab.txt"
-import glob, json, os, statistics, sys
+import glob, json, statistics, sys
 work, out, names = sys.argv[1], sys.argv[2], sys.argv[3:]
 med, med_us, every = {}, {}, []
-for v in names:
+for i, v in enumerate(names):
     rows, us = {}, {}
-    for f in sorted(glob.glob(f"{work}/ab-{v}-*.json")):
+    for f in sorted(glob.glob(f"{work}/ab-{i}-*.json")):
         doc = json.load(open(f))
         for r in doc["rows"]:
             key = (r["model"], r["format"], r["act_format"], r["tokens_per_rank"])
             rows.setdefault(key, []).append(r["time_over_floor"])
             us.setdefault(key, []).append(r["us"])
-            every.append(dict(r, variant=v, round=os.path.basename(f).rsplit("-", 1)[1][:-5], gpu=doc["gpu"]))
+            every.append(dict(r, variant=v, round=int(f.rsplit("-", 1)[1][:-5]), gpu=doc["gpu"]))
     med[v] = {k: statistics.median(x) for k, x in rows.items()}
     med_us[v] = {k: statistics.median(x) for k, x in us.items()}
 json.dump(every, open(f"{out}/ab.json", "w"), indent=1)
 first = names[0]
-print(f"{'model':9} {'format':10} {'T':>5} " + " ".join(f"{v[:14]:>14}" for v in names)
-      + f"   (x floor; time / {first}'s)")
+print("variants: " + ", ".join(f"[{i}] {v}" for i, v in enumerate(names)))
+print(f"{'model':9} {'format':10} {'T':>5} " + " ".join(f"{'[' + str(i) + ']':>14}" for i in range(len(names)))
+      + f"   (x floor; time / [0]'s)")
 for k in sorted(med[first]):
     cells = []
     for v in names:
