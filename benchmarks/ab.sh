@@ -54,7 +54,8 @@ in_variant() {
 if [ -n "${AB_TESTS:-}" ]; then
   for i in "${!specs[@]}"; do
     [ "$i" = 0 ] && continue
-    args=(-q -m gpu -p no:cacheprovider --maxfail=5 --timeout=300)
+    # thread method: the default (a signal) never fires while a hung kernel holds the process in a CUDA call.
+    args=(-q -m gpu -p no:cacheprovider --maxfail=5 --timeout=300 --timeout-method=thread)
     [ "$AB_TESTS" != all ] && args+=(-k "$AB_TESTS")
     in_variant "$i" python3 -m pytest tests "${args[@]}" >"$work/tests.log" 2>&1
     rc=$?
@@ -64,19 +65,9 @@ if [ -n "${AB_TESTS:-}" ]; then
   done
 fi
 
-for round in $(seq 1 "${AB_ROUNDS:-1}"); do
-  for i in "${!specs[@]}"; do
-    in_variant "$i" python3 benchmarks/bench_moe.py --no-peer --formats "${AB_FORMATS:-fp8}" \
-      --models "${AB_MODELS:-V4-Flash,V4-Pro}" --tokens "${AB_TOKENS:-1,16,512,2048,8192}" \
-      --json "$work/ab-$i-$round.json" >"$work/bench.log" 2>&1
-    rc=$?
-    { echo "== bench ${names[$i]} round $round (rc $rc)"; cat "$work/bench.log"; } >>"$log"
-    [ $rc = 0 ] || { tail -20 "$work/bench.log"; exit 1; }
-    echo "round $round ${names[$i]} done"
-  done
-done
-
-python3 - "$work" "$out" "${names[@]}" <<'PY' | tee "$out/ab.txt"
+# Table of what has run so far (rewritten after each bench, so a call cut off at its limit still returns one).
+summarize() {
+python3 - "$work" "$out" "${names[@]}" <<'PY' >"$out/ab.txt"
 import glob, json, statistics, sys
 work, out, names = sys.argv[1], sys.argv[2], sys.argv[3:]
 med, med_us, every = {}, {}, []
@@ -89,17 +80,31 @@ for i, v in enumerate(names):
             rows.setdefault(key, []).append(r["time_over_floor"])
             us.setdefault(key, []).append(r["us"])
             every.append(dict(r, variant=v, round=int(f.rsplit("-", 1)[1][:-5]), gpu=doc["gpu"]))
-    med[v] = {k: statistics.median(x) for k, x in rows.items()}
-    med_us[v] = {k: statistics.median(x) for k, x in us.items()}
+    med[i] = {k: statistics.median(x) for k, x in rows.items()}  # by index: two variants may share a name
+    med_us[i] = {k: statistics.median(x) for k, x in us.items()}
 json.dump(every, open(f"{out}/ab.json", "w"), indent=1)
-first = names[0]
 print("variants: " + ", ".join(f"[{i}] {v}" for i, v in enumerate(names)))
 print(f"{'model':9} {'format':10} {'T':>5} " + " ".join(f"{'[' + str(i) + ']':>14}" for i in range(len(names)))
       + f"   (x floor; time / [0]'s)")
-for k in sorted(med[first]):
+for k in sorted(med[0]):
     cells = []
-    for v in names:
-        x = med[v].get(k)
-        cells.append("-" if x is None else f"{x:6.3f} ({med_us[v][k] / med_us[first][k]:5.3f})")
+    for i in range(len(names)):
+        x = med[i].get(k)
+        cells.append("-" if x is None else f"{x:6.3f} ({med_us[i][k] / med_us[0][k]:5.3f})")
     print(f"{k[0]:9} {k[1] + ':' + k[2]:10} {k[3]:5d} " + " ".join(f"{c:>14}" for c in cells))
 PY
+}
+
+for round in $(seq 1 "${AB_ROUNDS:-1}"); do
+  for i in "${!specs[@]}"; do
+    in_variant "$i" timeout 300 python3 benchmarks/bench_moe.py --no-peer --formats "${AB_FORMATS:-fp8}" \
+      --models "${AB_MODELS:-V4-Flash,V4-Pro}" --tokens "${AB_TOKENS:-1,16,512,2048,8192}" \
+      --json "$work/ab-$i-$round.json" >"$work/bench.log" 2>&1
+    rc=$?
+    { echo "== bench ${names[$i]} round $round (rc $rc)"; cat "$work/bench.log"; } >>"$log"
+    [ $rc = 0 ] || { tail -20 "$work/bench.log"; summarize; exit 1; }
+    summarize
+    echo "round $round ${names[$i]} done"
+  done
+done
+cat "$out/ab.txt"
