@@ -1,79 +1,110 @@
 #!/usr/bin/env bash
 # A/B of source trees in one device call (METHOD.md: compare versions only within one run).
-# The variants are the trees in AB_VARIANTS (default .ab/base; ignored by git: carry .ab) plus this tree,
-# named "here". Prepare them here, e.g.
+# AB_VARIANTS: space-separated variants, each a tree (a folder; "." is this one) optionally followed by
+# ",VAR=VALUE" settings for its runs (the same tree may appear with several settings); default ".ab/base .".
+# Trees other than "." are copies ignored by git (carry .ab). Prepare them here, e.g.
 #   rm -rf .ab && for b in main wip/x; do mkdir -p .ab/${b//\//-} && git archive $b | tar -x -C .ab/${b//\//-}; done
-#   device: run(command="AB_VARIANTS='.ab/main .ab/wip-x' bash benchmarks/ab.sh", carry=[".ab"])
-# Each tree is built in place; with AB_TESTS (a pytest -k expression, or "all") every variant's GPU tests run
-# (-m gpu); bench_moe (no peer pipeline) then runs on the variants in turn, AB_ROUNDS times, and the last
-# lines give each row's median time / floor per variant and its median time over the first variant's.
-#   AB_FORMATS (fp8), AB_MODELS (V4-Flash,V4-Pro), AB_TOKENS (1,16,512,2048,8192), AB_ROUNDS (2)
+#   device: run(command="AB_VARIANTS='.ab/main .ab/wip-x .,MEGAMOE_FP8_FUSED=1' bash benchmarks/ab.sh", carry=[".ab"])
+# Each tree is built once, in place; with AB_TESTS (a pytest -k expression, or "all") the GPU tests (-m gpu, 300 s
+# per test at most) run for every variant but the first (the verified base), with its settings; bench_moe (no
+# peer pipeline) then runs on the variants in turn, AB_ROUNDS times. Under $OUT (at most 8 files come back):
+# ab.txt (each row's median time / floor per variant and its median time over the first variant's), ab.json
+# (every row, with variant and round), ab-log.txt (build, test and bench logs).
+#   AB_FORMATS (fp8), AB_MODELS (V4-Flash,V4-Pro), AB_TOKENS (1,16,512,2048,8192), AB_ROUNDS (1)
 set -uo pipefail
 here=$(pwd)
-trees=()
-for v in ${AB_VARIANTS:-.ab/base}; do
-  [ -d "$v" ] || { echo "ab.sh: no tree at $v (see the header of this script)"; exit 2; }
-  trees+=("$(cd "$v" && pwd)")
-done
-trees+=("$here")
-name_of() { [ "$1" = "$here" ] && echo here || basename "$1"; }
 out=${OUT:-device_out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
+work=$(mktemp -d)
+log="$out/ab-log.txt"
 export CXX=/usr/bin/g++ CC=/usr/bin/gcc TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$log"
 
-for tree in "${trees[@]}"; do
-  name=$(name_of "$tree")
-  start=$(date +%s)
-  if ! (cd "$tree" && python3 setup.py build_ext --inplace >"$out/build-$name.log" 2>&1); then
-    tail -40 "$out/build-$name.log"
-    exit 1
-  fi
-  echo "build $name: $(( $(date +%s) - start )) s"
-  if [ -n "${AB_TESTS:-}" ]; then
-    args=(-q -m gpu -p no:cacheprovider --maxfail=5)
-    [ "$AB_TESTS" != all ] && args+=(-k "$AB_TESTS")
-    (cd "$tree" && PYTHONPATH=$tree python3 -m pytest tests "${args[@]}") >"$out/tests-$name.log" 2>&1
-    rc=$?
-    echo "tests $name: $(tail -1 "$out/tests-$name.log")"
-    [ $rc = 0 ] || { tail -30 "$out/tests-$name.log"; echo "ab.sh: $name failed its GPU tests; no benchmark"; exit 1; }
-  fi
-done
-
-for round in $(seq 1 "${AB_ROUNDS:-2}"); do
-  for tree in "${trees[@]}"; do
-    name=$(name_of "$tree")
-    (cd "$tree" && PYTHONPATH=$tree python3 benchmarks/bench_moe.py --no-peer --formats "${AB_FORMATS:-fp8}" \
-      --models "${AB_MODELS:-V4-Flash,V4-Pro}" --tokens "${AB_TOKENS:-1,16,512,2048,8192}" \
-      --json "$out/ab-$name-$round.json") >"$out/ab-$name-$round.log" 2>&1
-    [ $? = 0 ] || { tail -20 "$out/ab-$name-$round.log"; exit 1; }
-    echo "round $round $name done"
-  done
-done
-
+specs=(${AB_VARIANTS:-.ab/base .})
 names=()
-for tree in "${trees[@]}"; do names+=("$(name_of "$tree")"); done
-python3 - "$out" "${names[@]}" <<'EOF'
+declare -A built
+for spec in "${specs[@]}"; do
+  dir=${spec%%,*}
+  [ -d "$dir" ] || { echo "ab.sh: no tree at $dir (see the header of this script)"; exit 2; }
+  tree=$(cd "$dir" && pwd)
+  name=$([ "$tree" = "$here" ] && echo here || basename "$tree")
+  [ "$spec" != "$dir" ] && name="$name+${spec#*,}"
+  name=${name//[^A-Za-z0-9._+-]/-}
+  names+=("$name")
+  if [ -z "${built[$tree]:-}" ]; then
+    start=$(date +%s)
+    if ! (cd "$tree" && python3 setup.py build_ext --inplace >"$work/build.log" 2>&1); then
+      tail -40 "$work/build.log" | tee -a "$log"
+      exit 1
+    fi
+    built[$tree]=1
+    echo "build $name: $(( $(date +%s) - start )) s" | tee -a "$log"
+  fi
+done
+
+# Runs "$@" in variant i's tree with its settings.
+in_variant() {
+  local i=$1; shift
+  local spec=${specs[$i]} dir=${specs[$i]%%,*}
+  local envs=()
+  [ "$spec" != "$dir" ] && IFS=, read -ra envs <<<"${spec#*,}"
+  (cd "$dir" && env PYTHONPATH="$(pwd)" "${envs[@]}" "$@")
+}
+
+if [ -n "${AB_TESTS:-}" ]; then
+  for i in "${!specs[@]}"; do
+    [ "$i" = 0 ] && continue
+    # thread method: the default (a signal) never fires while a hung kernel holds the process in a CUDA call.
+    args=(-q -m gpu -p no:cacheprovider --maxfail=5 --timeout=300 --timeout-method=thread)
+    [ "$AB_TESTS" != all ] && args+=(-k "$AB_TESTS")
+    in_variant "$i" python3 -m pytest tests "${args[@]}" >"$work/tests.log" 2>&1
+    rc=$?
+    { echo "== tests ${names[$i]} (rc $rc)"; tail -30 "$work/tests.log"; } >>"$log"
+    echo "tests ${names[$i]}: $(tail -1 "$work/tests.log")"
+    [ $rc = 0 ] || { tail -30 "$work/tests.log"; echo "ab.sh: ${names[$i]} failed its GPU tests; no benchmark"; exit 1; }
+  done
+fi
+
+# Table of what has run so far (rewritten after each bench, so a call cut off at its limit still returns one).
+summarize() {
+python3 - "$work" "$out" "${names[@]}" <<'PY' >"$out/ab.txt"
 import glob, json, statistics, sys
-out, names = sys.argv[1], sys.argv[2:]
-med, med_us = {}, {}
-for v in names:
+work, out, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+med, med_us, every = {}, {}, []
+for i, v in enumerate(names):
     rows, us = {}, {}
-    for f in sorted(glob.glob(f"{out}/ab-{v}-*.json")):
-        for r in json.load(open(f))["rows"]:
+    for f in sorted(glob.glob(f"{work}/ab-{i}-*.json")):
+        doc = json.load(open(f))
+        for r in doc["rows"]:
             key = (r["model"], r["format"], r["act_format"], r["tokens_per_rank"])
             rows.setdefault(key, []).append(r["time_over_floor"])
             us.setdefault(key, []).append(r["us"])
-    med[v] = {k: statistics.median(x) for k, x in rows.items()}
-    med_us[v] = {k: statistics.median(x) for k, x in us.items()}
-first = names[0]
-# time / floor (each run measures its own ceilings) and, in brackets, the median time over the first variant's
-print(f"{'model':9} {'format':10} {'T':>5} " + " ".join(f"{v[:14]:>14}" for v in names)
-      + f"   (x floor; time / {first}'s)")
-for k in sorted(med[first]):
+            every.append(dict(r, variant=v, round=int(f.rsplit("-", 1)[1][:-5]), gpu=doc["gpu"]))
+    med[i] = {k: statistics.median(x) for k, x in rows.items()}  # by index: two variants may share a name
+    med_us[i] = {k: statistics.median(x) for k, x in us.items()}
+json.dump(every, open(f"{out}/ab.json", "w"), indent=1)
+print("variants: " + ", ".join(f"[{i}] {v}" for i, v in enumerate(names)))
+print(f"{'model':9} {'format':10} {'T':>5} " + " ".join(f"{'[' + str(i) + ']':>14}" for i in range(len(names)))
+      + f"   (x floor; time / [0]'s)")
+for k in sorted(med[0]):
     cells = []
-    for v in names:
-        x = med[v].get(k)
-        cells.append("-" if x is None else f"{x:6.3f} ({med_us[v][k] / med_us[first][k]:5.3f})")
+    for i in range(len(names)):
+        x = med[i].get(k)
+        cells.append("-" if x is None else f"{x:6.3f} ({med_us[i][k] / med_us[0][k]:5.3f})")
     print(f"{k[0]:9} {k[1] + ':' + k[2]:10} {k[3]:5d} " + " ".join(f"{c:>14}" for c in cells))
-EOF
+PY
+}
+
+for round in $(seq 1 "${AB_ROUNDS:-1}"); do
+  for i in "${!specs[@]}"; do
+    in_variant "$i" timeout 300 python3 benchmarks/bench_moe.py --no-peer --formats "${AB_FORMATS:-fp8}" \
+      --models "${AB_MODELS:-V4-Flash,V4-Pro}" --tokens "${AB_TOKENS:-1,16,512,2048,8192}" \
+      --json "$work/ab-$i-$round.json" >"$work/bench.log" 2>&1
+    rc=$?
+    { echo "== bench ${names[$i]} round $round (rc $rc)"; cat "$work/bench.log"; } >>"$log"
+    [ $rc = 0 ] || { tail -20 "$work/bench.log"; summarize; exit 1; }
+    summarize
+    echo "round $round ${names[$i]} done"
+  done
+done
+cat "$out/ab.txt"

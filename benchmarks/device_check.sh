@@ -23,7 +23,7 @@ echo "build: $(( $(date +%s) - start )) s"
 [ "$what" = build ] && exit 0
 
 if has quick || has test; then
-  args=(-q --timeout=900 -p no:cacheprovider)
+  args=(-q --timeout=900 --timeout-method=thread -p no:cacheprovider)  # thread: fires on a hung kernel too
   has quick && args+=(-m gpu)
   [ -n "$kexpr" ] && args+=(-k "$kexpr")
   python3 -m pytest tests "${args[@]}" 2>&1 | tee "$out/tests.log" | tail -40
