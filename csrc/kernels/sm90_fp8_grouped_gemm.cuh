@@ -2,14 +2,19 @@
 // weight rows) tiles. Weights are the wgmma A operand (64-row slices, "swap AB"), so a decode step
 // with a handful of tokens per expert still fills the 64-row MMA dimension with weights.
 //
-// Warp roles (384 threads): warpgroup 0 = TMA producer (one thread), warpgroups 1-2 = consumers, each
-// owning 128 weight rows = two 64-row slices. In L1 the slices are a gate chunk and its up chunk
+// Warp roles (384 threads): warpgroup 0 = producer (thread 0: TMA of the weight and token tiles; warp 1:
+// cp.async of the stage's block scales into shared memory), warpgroups 1-2 = consumers, each owning 128
+// weight rows = two 64-row slices. In L1 the slices are a gate chunk and its up chunk
 // (transform_weights interleaves them), so SwiGLU happens in registers.
 //
 // Per 128-K block: 4 wgmma k32 steps into a fresh partial accumulator, then promotion
 // acc += partial * weight_scale(64-row chunk, k block) * token_scale(token, k block) in float32.
 // NOTES: promoting once per scale block (as DeepGEMM does) also bounds the error of Hopper's
 // reduced-precision FP8 accumulation (~14 bits after alignment, DeepSeek-V3 report).
+// NOTES: the scales of a stage arrive with it (producer warp 1, cp.async completing on the stage's full
+// barrier), so promotion reads shared memory. Before, each consumer thread loaded its 2 + block_m / 4
+// scales from global memory at the top of the stage (~130 L2 requests per stage and SM at block_m 64), and
+// promotion waited for them: the T=1 profile had 44 % of the L1 kernel's stall samples on that wait.
 #pragma once
 
 #include <cuda.h>
@@ -42,8 +47,11 @@ struct GemmSmem {
   static constexpr int kTileA = kBlockN * kBlockK;       // bytes
   static constexpr int kTileB = kBlockM * kBlockK;       // bytes
   static constexpr int kEpilogue = kIsL1 ? kBlockM * 128 + 8 * kBlockM * 4 : kBlockM * kBlockN * 2;
+  // Scales of one stage (float32): the tile's four 64-row weight chunks, then its kBlockM token columns.
+  static constexpr int kScales = (kBlockN / 64 + kBlockM) * 4;
+  static_assert(kScales % 16 == 0 && kEpilogue % 16 == 0, "scale slots must stay 16-byte aligned");
   static constexpr int kBytes = 1024 /* alignment slack */ + kNumStages * (kTileA + kTileB) + kEpilogue +
-                                2 * kNumStages * 8 + kNumStages * int(sizeof(TileInfo));
+                                2 * kNumStages * 8 + kNumStages * int(sizeof(TileInfo)) + kNumStages * kScales;
 };
 
 template <int kBlockM, int kNumStages, bool kIsL1>
@@ -64,7 +72,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint8_t* tile_a = smem;
   uint8_t* tile_b = tile_a + kNumStages * Smem::kTileA;
   uint8_t* epilogue = tile_b + kNumStages * Smem::kTileB;
-  uint64_t* full = reinterpret_cast<uint64_t*>(epilogue + Smem::kEpilogue);
+  // [kNumStages][Smem::kScales / 4]; each stage's slot is 16-byte aligned (kScales and kEpilogue are multiples
+  // of 16), so token-scale pairs load as float2.
+  float* stage_scales = reinterpret_cast<float*>(epilogue + Smem::kEpilogue);
+  uint64_t* full = reinterpret_cast<uint64_t*>(stage_scales + kNumStages * (Smem::kScales / 4));
   uint64_t* empty = full + kNumStages;
   TileInfo* tile_infos = reinterpret_cast<TileInfo*>(empty + kNumStages);  // [kNumStages], see TileInfo
 
@@ -83,7 +94,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbarrier_init(&full[s], 1);
+      ptx::mbarrier_init(&full[s], 1 + 32);  // TMA thread + the 32 scale-copy lanes
       ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32);
     }
     ptx::fence_barrier_init();
@@ -130,6 +141,31 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       }
       if (!waited) finish_wait();
+    } else if (threadIdx.x / 32 == 1) {
+      // Block scales of each stage: weight chunk c of the tile (lanes 0-3; chunks past n are never read) and
+      // the token columns [row0, row0 + kBlockM) of the K-block-major token scales (columns past the pool
+      // end are never stored; their slots keep old values).
+      // The token scales come from the grid before this one: wait for it as the TMA thread does.
+      ptx::grid_dependency_wait();
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+        const int first_chunk = (t.expert * p.n + t.n_block * kBlockN) / 64;
+        const bool chunk_valid = lane < kBlockN / 64 && t.n_block * kBlockN + lane * 64 < p.n;
+        for (int kb = 0; kb < num_kblocks; ++kb) {
+          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+          float* dst = stage_scales + stage * (Smem::kScales / 4);
+          if (chunk_valid) ptx::cp_async_4(dst + lane, p.weights_sf + int64_t(first_chunk + lane) * num_kblocks + kb);
+          const float* src = p.acts_sf + int64_t(kb) * l.pool_rows + t.row0;
+#pragma unroll
+          for (int c = lane; c < kBlockM; c += 32)
+            if (t.row0 + c < l.pool_rows) ptx::cp_async_4(dst + kBlockN / 64 + c, src + c);
+          ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
+          if (++stage == kNumStages) stage = 0, phase ^= 1;
+        }
+      }
+      ptx::cp_async_wait_all();
     }
     return;
   }
@@ -149,9 +185,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     ptx::mbarrier_wait(&full[stage], phase);  // the tile's first stage carries its TileInfo
     const TileInfo t = tile_infos[stage];
-    // Weight scales: one per (64-row chunk, K block); this consumer's two chunks are adjacent.
-    const int chunk = (t.expert * p.n + t.n_block * kBlockN + consumer * 128) / 64;
-    const float* wsf = p.weights_sf + int64_t(chunk) * num_kblocks;
     // NOTES: n (= hidden in L2) is a multiple of 128, not always of 256: the last tile's upper half
     // then lies past this expert's rows; its scales are never read and its rows never stored.
     const int first_row = t.n_block * kBlockN + consumer * 128;
@@ -161,24 +194,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
 
-    // Scales of K block kb: weight scales of this consumer's two chunks, token scales of this thread's
-    // columns (rows past the pool end read as 0; never stored).
-    auto load_scales = [&](int kb, float& ws0, float& ws1, float (&col_sf)[kBlockM / 4]) {
-      ws0 = valid0 ? __ldg(wsf + kb) : 0.0f, ws1 = valid1 ? __ldg(wsf + num_kblocks + kb) : 0.0f;
-      const float* sf = p.acts_sf + int64_t(kb) * l.pool_rows + t.row0;
+    for (int kb = 0; kb < num_kblocks; ++kb) {
+      ptx::mbarrier_wait(&full[stage], phase);
+      // Scales of this stage from shared memory (read before the stage is released): this consumer's two
+      // weight chunks (0 past n: those rows are never stored) and this thread's token columns.
+      const float* sc = stage_scales + stage * (Smem::kScales / 4);
+      const float ws0 = valid0 ? sc[consumer * 2] : 0.0f, ws1 = valid1 ? sc[consumer * 2 + 1] : 0.0f;
+      float col_sf[kBlockM / 4];
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
-        const int col = 8 * j + 2 * (lane % 4);
-        col_sf[2 * j] = t.row0 + col < l.pool_rows ? __ldg(sf + col) : 0.0f;
-        col_sf[2 * j + 1] = t.row0 + col + 1 < l.pool_rows ? __ldg(sf + col + 1) : 0.0f;
+        const float2 v = *reinterpret_cast<const float2*>(sc + kBlockN / 64 + 8 * j + 2 * (lane % 4));
+        col_sf[2 * j] = v.x, col_sf[2 * j + 1] = v.y;
       }
-    };
-    // NOTES: loaded at the top of their own stage. Loading them one K block ahead (tried: 2026-11-22, H100)
-    // left T=1 unchanged and made prefill 10-15 % slower; docs/perf-notes.md has the A/B table.
-    for (int kb = 0; kb < num_kblocks; ++kb) {
-      float ws0, ws1, col_sf[kBlockM / 4];
-      load_scales(kb, ws0, ws1, col_sf);
-      ptx::mbarrier_wait(&full[stage], phase);
       const uint32_t a_lo = tile_a_desc_lo + (stage * Smem::kTileA + consumer * 128 * kBlockK) / 16;
       const uint32_t b_lo = tile_b_desc_lo + stage * (Smem::kTileB / 16);
       float part0[kRegs], part1[kRegs];
