@@ -237,22 +237,39 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_offset
 
 // L2 epilogue copy-out (both weight formats): the staged bf16 tile [block_m][256] of output features goes to
 // the combine area of each row's token owner at (token, slot): local stores, or NVLink stores for a peer.
+// NOTES: each thread first loads the pool_src entries of all its rows, then stores: loads interleaved with
+// the stores could not be hoisted past them (the stores may alias), so each of the kIters iterations waited
+// for its own L2 round trip. ncu (H100, V4-Flash T=8192, 2026-11-23): 12 % of the L2 kernel's stall
+// samples sat on that wait.
 template <int kBlockM, int kBlockN, int kThreads>
 __device__ __forceinline__ void store_combine_tile(const __nv_bfloat16* out_tile, uint8_t* buffer,
                                                    const layout::BufferLayout& l, int row0, int rows, int n_block,
                                                    int n, int tid) {
+  constexpr int kChunks = kBlockM * (kBlockN / 8);  // 16-byte chunks of the tile
+  constexpr int kIters = (kChunks + kThreads - 1) / kThreads;
   const int* pool_src = reinterpret_cast<const int*>(buffer + l.pool_src_offset);
   const int rank_slots = static_cast<int>(l.max_tokens_per_rank * l.top_k);
-  for (int c = tid; c < kBlockM * (kBlockN / 8); c += kThreads) {
-    const int col = c / (kBlockN / 8), part = c % (kBlockN / 8);
-    if (col < rows && n_block * kBlockN + part * 8 < n) {
-      const int src = pool_src[row0 + col];
-      const int src_rank = src / rank_slots;
+  int src[kIters];
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int col = (tid + it * kThreads) / (kBlockN / 8);
+    src[it] = tid + it * kThreads < kChunks && col < rows ? __ldcg(pool_src + row0 + col) : -1;
+  }
+  uint4* dst[kIters];  // with several ranks the owner's buffer is one more load (the peer table)
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int part = (tid + it * kThreads) % (kBlockN / 8);
+    dst[it] = nullptr;
+    if (src[it] >= 0 && n_block * kBlockN + part * 8 < n) {
+      const int src_rank = src[it] / rank_slots;
       auto* combine = reinterpret_cast<__nv_bfloat16*>(peer_buffer(buffer, l, src_rank) + l.combine_offset);
-      *reinterpret_cast<uint4*>(combine + int64_t(src - src_rank * rank_slots) * l.hidden + n_block * kBlockN +
-                                part * 8) = reinterpret_cast<const uint4*>(out_tile)[c];
+      dst[it] = reinterpret_cast<uint4*>(combine + int64_t(src[it] - src_rank * rank_slots) * l.hidden +
+                                         n_block * kBlockN + part * 8);
     }
   }
+#pragma unroll
+  for (int it = 0; it < kIters; ++it)
+    if (dst[it] != nullptr) *dst[it] = reinterpret_cast<const uint4*>(out_tile)[tid + it * kThreads];
 }
 
 // L1 epilogue (both weight formats): per-token amax over this warp's 16 rows of an m64nN accumulator
