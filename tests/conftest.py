@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import math
 import os
 import random
@@ -152,6 +153,17 @@ def reference_output(layer: dict, x, topk_idx, topk_weights, weight_format: str,
 @functools.lru_cache(maxsize=32)
 def _cached_layer(num_experts, hidden, intermediate, weight_format, seed, device):
     return reference.make_random_layer(num_experts, hidden, intermediate, weight_format, seed=seed, device=device)
+
+
+def release_gpu_memory() -> None:
+    """Drops the memoized layers and returns cached blocks to the driver. The full-size DeepSeek-V4 layers
+    need most of an 80 GB GPU (V4-Pro FP8: ~51 GB of weights in both layouts plus float temporaries), so
+    tests that build one call this first: a -k selection can otherwise meet them after other files'
+    layers and run out of memory."""
+    _cached_layer.cache_clear()
+    gc.collect()
+    if HAS_CUDA:
+        torch.cuda.empty_cache()
 
 
 def random_layer(num_experts: int, hidden: int, intermediate: int, weight_format: str, *, seed: int = 0,

@@ -19,7 +19,7 @@ import torch
 
 import megamoe
 from megamoe import reference
-from conftest import SWEEP_SEED, CUDA_MARKS, SweepPool, make_case, rel_err, skew_first_slot
+from conftest import release_gpu_memory, SWEEP_SEED, CUDA_MARKS, SweepPool, make_case, rel_err, skew_first_slot
 
 pytestmark = list(CUDA_MARKS)
 TOL = 1e-2
@@ -268,6 +268,7 @@ def test_random_sweep_pooled_error():
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def model_layer(request):
     name, weight_format = request.param
+    release_gpu_memory()  # a full-size layer needs most of the GPU
     e, k, h, i = MODELS[name]
     gen = torch.Generator(device="cuda").manual_seed(1234)
     w13, sf13, g13 = reference.make_fp4_expert_weights(e, 2 * i, h, weight_format, generator=gen, device="cuda")

@@ -20,7 +20,7 @@ import torch
 
 import megamoe
 from megamoe import reference
-from conftest import SWEEP_SEED, CUDA_MARKS, SweepPool, make_case, rel_err, skew_first_slot
+from conftest import release_gpu_memory, SWEEP_SEED, CUDA_MARKS, SweepPool, make_case, rel_err, skew_first_slot
 
 pytestmark = list(CUDA_MARKS)
 TOL = 1e-2
@@ -261,6 +261,7 @@ def test_random_sweep_pooled_error():
 @pytest.fixture(scope="module", params=list(MODELS))
 def model_layer(request):
     e, k, h, i = MODELS[request.param]
+    release_gpu_memory()  # a full-size layer needs most of the GPU
     gen = torch.Generator(device="cuda").manual_seed(1234)
     w13, sf13 = reference.make_fp8_block_weights(e, 2 * i, h, generator=gen, device="cuda")
     w2, sf2 = reference.make_fp8_block_weights(e, h, i, generator=gen, device="cuda")
