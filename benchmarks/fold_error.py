@@ -1,0 +1,131 @@
+"""Error of an FP8-wgmma path for MXFP4 w4a8: per-32 power-of-two scales folded into E4M3 values per 128-K block.
+
+    python benchmarks/fold_error.py [--experts 32 --hidden 1024 --intermediate 512 --tokens 256 --seeds 3]
+
+Hopper has FP8 tensor cores but no FP4 ones. E2M1 x 2^d is an E4M3 value for every E2M1 code when
+0 <= d <= 8 (0.5 x 2^-8 = 2^-9 is E4M3's smallest subnormal), so an MXFP4 weight row can be decoded on chip to
+E4M3 relative to the largest UE8M0 scale of its 128-K block, and promoted once per 128-K block with that
+scale, exactly as the FP8 path promotes its 128 x 128 blocks. Only sub-blocks whose scale is more than 2^8
+below the block's largest round (toward zero, by less than 2^-10 of the block's largest magnitude). The w4a8
+activations (E4M3 with a UE8M0 scale per 32) can be folded the same way, but an E4M3 value divided by 2^d
+keeps its 3 mantissa bits only down to 2^-6: small values in low-scale sub-blocks round.
+
+This script measures, on the CPU, what the folds change against the emulating reference (the semantics the
+kernels must match within 1e-2), by running the reference with the folded values in place of the exact ones:
+  weights   -- MXFP4 weights folded per (row, 128-K block); activations exact
+  both      -- weights and both activation quantizations (tokens, L1 outputs) folded per (row, 128-K block)
+and, as the scale, each format's own error vs BF16 math. Two weight families: the reference's random layer,
+and the same layer with UE8M0 scales spread over 2^0..2^(spread) within each 128-K block (--spread), the
+worst case for the fold. Nothing here runs a kernel.
+"""
+from __future__ import annotations
+
+import argparse
+from unittest import mock
+
+import torch
+
+from megamoe import formats, reference
+
+FOLD_BLOCK, SCALE_BLOCK = 128, 32
+
+
+def fold_e4m3(v: torch.Tensor, scale32: torch.Tensor) -> torch.Tensor:
+    """Values ``v`` [..., K] that carry a power-of-two scale per 32 (``scale32`` [..., K/32], float32),
+    re-expressed as E4M3 relative to the largest scale of each 128-K block (round to nearest even, the
+    cvt.rn.satfinite of the kernel), times that scale."""
+    k = v.shape[-1]
+    s = scale32.view(*scale32.shape[:-1], k // FOLD_BLOCK, FOLD_BLOCK // SCALE_BLOCK)
+    big = s.amax(dim=-1, keepdim=True).repeat_interleave(FOLD_BLOCK, dim=-1).view(*v.shape)
+    return (v / big).to(torch.float8_e4m3fn).to(torch.float32) * big
+
+
+_EXACT_ACTIVATION = reference.quantize_activation
+
+
+def exact_activation(x: torch.Tensor, _recipe) -> torch.Tensor:
+    """Drop-in for reference.quantize_activation: the w4a8 recipe whatever the call asks (the folded weights
+    go through the reference's bf16 path, whose own recipe is "none")."""
+    return _EXACT_ACTIVATION(x, "fp8_ue8m0_32")
+
+
+def folded_activation(x: torch.Tensor, _recipe) -> torch.Tensor:
+    """Drop-in for reference.quantize_activation: the w4a8 recipe (per-32 UE8M0), folded per 128."""
+    xf = x.to(torch.float32)
+    q, sf = formats.quantize_fp8_ue8m0(xf, SCALE_BLOCK)
+    scale = formats.ue8m0_to_float(sf)
+    return fold_e4m3(formats.dequantize_fp8(q, sf, SCALE_BLOCK), scale)
+
+
+def folded_weights(w: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    """MXFP4 checkpoint weights [E, N, K/2] + UE8M0 [E, N, K/32] -> folded float32 [E, N, K]."""
+    return fold_e4m3(formats.dequantize_mxfp4(w, sf), formats.ue8m0_to_float(sf))
+
+
+def spread_scales(sf: torch.Tensor, spread: int, gen: torch.Generator) -> torch.Tensor:
+    """The same scales with each 32-block's exponent lowered by 0..spread (uniform), per 128-K block."""
+    drop = torch.randint(0, spread + 1, sf.shape, generator=gen, dtype=torch.int32)
+    return (sf.to(torch.int32) - drop).clamp(1, 254).to(torch.uint8)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def run(layer: dict, x, idx, w, fold_w: bool, fold_act: bool) -> torch.Tensor:
+    if not fold_w and not fold_act:
+        return reference.mega_moe(x, idx, w, layer["w13"], layer["w2"], weight_format="mxfp4", act_format="fp8",
+                                  w13_sf=layer["w13_sf"], w2_sf=layer["w2_sf"])
+    if fold_w:  # float weights through the reference's bf16 path (dequantization = identity)
+        w13, w2 = folded_weights(layer["w13"], layer["w13_sf"]), folded_weights(layer["w2"], layer["w2_sf"])
+        kw = dict(weight_format="bf16", act_format="none")
+    else:
+        w13, w2 = layer["w13"], layer["w2"]
+        kw = dict(weight_format="mxfp4", act_format="fp8", w13_sf=layer["w13_sf"], w2_sf=layer["w2_sf"])
+    act = folded_activation if fold_act else exact_activation
+    with mock.patch.object(reference, "quantize_activation", act):
+        return reference.mega_moe(x, idx, w, w13, w2, **kw)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--top-k", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--spread", type=int, default=12, help="largest exponent drop in the spread-scale family")
+    args = ap.parse_args()
+    e, h, i, k, t = args.experts, args.hidden, args.intermediate, args.top_k, args.tokens
+    print(f"E={e} H={h} I={i} top-k={k} T={t}, {args.seeds} seeds, CPU; errors relative to the emulating reference")
+    rows = []
+    for family in ("random", f"spread 0..{args.spread}"):
+        errs = {"weights": [], "both": [], "format vs bf16": []}
+        for seed in range(args.seeds):
+            layer = reference.make_random_layer(e, h, i, "mxfp4", seed=seed)
+            if family != "random":
+                gen = torch.Generator().manual_seed(seed + 300)
+                layer["w13_sf"] = spread_scales(layer["w13_sf"], args.spread, gen)
+                layer["w2_sf"] = spread_scales(layer["w2_sf"], args.spread, gen)
+            idx, w = reference.make_random_routing(t, e, k, seed=seed + 100)
+            x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 200)).to(torch.bfloat16)
+            ref = run(layer, x, idx, w, False, False)
+            errs["weights"].append(rel_err(run(layer, x, idx, w, True, False), ref))
+            errs["both"].append(rel_err(run(layer, x, idx, w, True, True), ref))
+            if family == "random":
+                base = reference.mega_moe(x, idx, w, layer["w13_bf16"], layer["w2_bf16"], weight_format="bf16",
+                                          act_format="none")
+                errs["format vs bf16"].append(rel_err(ref, base))
+        rows.append((family, {n: max(v) if v else None for n, v in errs.items()}))
+    print("| weights family | fold weights | fold weights + activations | MXFP4 w4a8 vs BF16 math |")
+    print("|---|---|---|---|")
+    for family, m in rows:
+        fmt = lambda v: "-" if v is None else f"{v:.2e}"
+        print(f"| {family} | {fmt(m['weights'])} | {fmt(m['both'])} | {fmt(m['format vs bf16'])} |")
+    print("(max over seeds)")
+
+
+if __name__ == "__main__":
+    main()
