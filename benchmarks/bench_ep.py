@@ -1,11 +1,13 @@
 """Expert-parallel fused layer vs a non-overlapped NCCL pipeline, one process per GPU.
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_ep.py \
-        [--models V4-Flash] [--tokens 1,16,128,512,2048,8192] [--json out.json] [--plot out.png]
+        [--models V4-Flash] [--tokens 1,16,128,512,2048,8192] [--formats fp8,mxfp4:fp8,nvfp4:fp4] \
+        [--json out.json] [--plot out.png]
     python benchmarks/bench_ep.py --from-json a.json,b.json --plot out.png      # plot saved results
 
 Per (model, tokens per rank):
-- megamoe: ``pre_dispatch`` + ``fp8_mega_moe`` on a symmetric-memory buffer (dispatch, both GEMMs and the
+- megamoe: ``pre_dispatch`` + ``fp8_mega_moe`` (or ``fp8_fp4_mega_moe`` for MXFP4 / NVFP4 weights, with FP8
+  or FP4 activations: ``--formats weight[:act]``) on a symmetric-memory buffer (dispatch, both GEMMs and the
   combine in one op, cross-rank flags, no NCCL, no host sync).
 - peer: what a user can write today with NCCL and the project's own single-GPU expert compute: slot
   counts exchanged with ``all_to_all_single`` (a host sync: NCCL needs the split sizes on the host), bf16
@@ -15,7 +17,8 @@ Per (model, tokens per rank):
 Timing: each iteration starts after a device sync and a process-group barrier; CUDA events around the
 call; median over iterations of the slowest rank. The floor of one rank = max(bytes of its touched
 experts'
-weights / copy bandwidth, its FLOPs / dense FP8 rate), ceilings measured in this run. NVLink GB/s = bytes
+weights (kernel layout: FP4 is 0.5 byte per weight plus its scales) / copy bandwidth, its FLOPs / dense FP8
+rate), ceilings measured in this run. NVLink GB/s = bytes
 the fused op moves between GPUs (remote token rows in, remote bf16 expert outputs back) / its time.
 """
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -70,13 +72,13 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
 class NcclPipeline:
     """Non-overlapped expert parallelism with NCCL collectives around the single-GPU op."""
 
-    def __init__(self, cfg, l1, l2, max_tokens, device):
-        self.cfg, self.l1, self.l2 = cfg, l1, l2
+    def __init__(self, cfg, l1, l2, max_tokens, device, weight_format="fp8", act_format="fp8"):
+        self.cfg, self.l1, self.l2, self.weight_format = cfg, l1, l2, weight_format
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.num_local = cfg["num_experts"] // self.world
         rows = self.world * max_tokens * cfg["top_k"]
         self.buf = megamoe.get_symm_buffer(None, self.num_local, rows, 1, cfg["hidden"], cfg["intermediate"],
-                                           device=device)
+                                           act_format=act_format, device=device)
 
     def __call__(self, x, idx, w):
         t, k = idx.shape
@@ -98,7 +100,7 @@ class NcclPipeline:
         dist.all_to_all_single(recv_x, send_x, recv_split, send_split)
         dist.all_to_all_single(recv_meta, meta, recv_split, send_split)
         out = megamoe.moe(recv_x, recv_meta[:, :1].to(torch.int32), recv_meta[:, 1:].contiguous(), self.l1, self.l2,
-                          self.buf)
+                          self.buf, weight_format=self.weight_format)
         back = torch.empty_like(send_x)
         dist.all_to_all_single(back, out, send_split, recv_split)
         y = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
@@ -136,10 +138,13 @@ def plot(docs, path):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     rows = [r for d in docs for r in d["rows"]]
-    for key in sorted({(r["model"], r["ranks"]) for r in rows}):
-        rs = sorted((r for r in rows if (r["model"], r["ranks"]) == key), key=lambda r: r["tokens_per_rank"])
+    def key_of(r):
+        return r["model"], r["ranks"], r["format"], r["act_format"]
+
+    for key in sorted({key_of(r) for r in rows}):
+        rs = sorted((r for r in rows if key_of(r) == key), key=lambda r: r["tokens_per_rank"])
         ts = [r["tokens_per_rank"] for r in rs]
-        label = f"{key[0]} EP={key[1]}"
+        label = f"{key[0]} {key[2]}{'' if key[3] == 'fp8' else '-a4'} EP={key[1]}"
         axes[0].plot(ts, [r["speedup"] for r in rs], marker="o", label=label)
         axes[1].plot(ts, [r["time_over_floor"] for r in rs], marker="o", label=label)
     axes[0].set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="speedup",
@@ -149,15 +154,93 @@ def plot(docs, path):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     gpu = docs[0]["gpu"].replace("NVIDIA ", "")
-    fig.suptitle(f"megamoe expert parallelism, FP8, {gpu}, {docs[0]['date']}")
+    formats = sorted({r["format"] + ("" if r["act_format"] == "fp8" else "-a4") for r in rows})
+    fig.suptitle(f"megamoe expert parallelism, {', '.join(formats)}, {gpu}, {docs[0]['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
+
+
+def make_local_layer(num_local, h, i, weight_format, gen, device):
+    """This rank's experts in kernel layout (checkpoint layout made and dropped one projection at a time)."""
+    def one(n, k, is_l1):
+        if weight_format == "fp8":
+            w, sf = reference.make_fp8_block_weights(num_local, n, k, generator=gen, device=device)
+            g = None
+        else:
+            w, sf, g = reference.make_fp4_expert_weights(num_local, n, k, weight_format, generator=gen, device=device)
+        return megamoe.transform_weights(w, sf, g, weight_format=weight_format, is_l1=is_l1)
+
+    return one(2 * i, h, True), one(h, i, False)
+
+
+def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp8_rate, device):
+    """Rows of one (model, format pair) at every token count."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    e, h, i, k = cfg["num_experts"], cfg["hidden"], cfg["intermediate"], cfg["top_k"]
+    num_local = e // world
+    gen = torch.Generator(device=device).manual_seed(17 + rank)
+    l1, l2 = make_local_layer(num_local, h, i, weight_format, gen, device)
+    # Kernel-layout bytes of one expert (weights + scales): what streaming a touched expert costs.
+    bytes_per_expert = sum(t.numel() * t.element_size() for t in (*l1, *l2) if t is not None) / num_local
+    cap = max(tokens)
+    buf = megamoe.get_symm_buffer(dist.group.WORLD, e, cap, k, h, i, act_format=act_format, device=device)
+    token_bytes = buf.layout["token_bytes"] + buf.layout["token_sf_bytes"]  # a remote row in: values + scales
+    peer = NcclPipeline(cfg, l1, l2, cap, device, weight_format, act_format)
+    log(f"{model} {weight_format} weights, {act_format} activations: {bytes_per_expert / 1e6:.1f} MB per expert")
+    log(f"{'model':9} {'T/rank':>6} {'us':>9} {'floor':>8} {'t/floor':>7} {'peer us':>9} {'speedup':>7} "
+        f"{'NVLink GB/s':>11} {'rel diff':>8}")
+    rows = []
+    for t in tokens:
+        g = torch.Generator().manual_seed(1000 * t + rank)
+        x = torch.randn(t, h, generator=g).to(device, torch.bfloat16)
+        idx, w = reference.make_random_routing(t, e, k, seed=1000 * t + 7 * rank + 1, device=device)
+        y = torch.empty_like(x)
+
+        def fused():
+            megamoe.pre_dispatch(x, idx, w, buf, weight_format=weight_format)
+            if weight_format == "fp8":
+                megamoe.fp8_mega_moe(y, l1, l2, buf)
+            else:
+                megamoe.fp8_fp4_mega_moe(y, l1, l2, buf, weight_format=weight_format)
+
+        us = timed(fused, args.iters)
+        if args.profile:
+            profile_kernels(fused, f"{model} {weight_format}:{act_format} T/rank={t}")
+        peer_us = timed(lambda: peer(x, idx, w), args.iters)
+        y_peer = peer(x, idx, w)
+        fused()
+        diff = ((y.float() - y_peer.float()).norm() / y_peer.float().norm().clamp_min(1e-30)).item()
+        # Floor of the slowest rank: its touched local experts' weight bytes, its FLOPs.
+        all_idx = [torch.empty_like(idx) for _ in range(world)]
+        dist.all_gather(all_idx, idx)
+        ids = torch.cat(all_idx).flatten()
+        ids = ids[ids >= 0].long()
+        local = ids[(ids // num_local) == rank]
+        touched = torch.unique(local).numel()
+        flops = local.numel() * 2 * 3 * h * i
+        floor = torch.tensor([max(touched * bytes_per_expert / copy_bw, flops / fp8_rate) * 1e6], device=device)
+        dist.all_reduce(floor, op=dist.ReduceOp.MAX)
+        moved = torch.tensor([fused_bytes_moved(idx, num_local, rank, token_bytes, h)], device=device,
+                             dtype=torch.float64)
+        dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+        gbps = moved.item() / (us * 1e-6) / 1e9
+        op = "fp8_mega_moe" if weight_format == "fp8" else "fp8_fp4_mega_moe"
+        rows.append(dict(op=op, format=weight_format, act_format=act_format, model=model, ranks=world,
+                         tokens_per_rank=t, us=round(us, 2), floor_us=round(floor.item(), 2),
+                         time_over_floor=round(us / floor.item(), 3), peer="nccl_all_to_all+megamoe.moe",
+                         peer_us=round(peer_us, 2), speedup=round(peer_us / us, 3), tflops=None,
+                         gbps=round(gbps, 1), rel_diff_vs_peer=round(diff, 5)))
+        log(f"{model:9} {t:6d} {us:9.1f} {floor.item():8.1f} {us / floor.item():7.2f} {peer_us:9.1f} "
+            f"{peer_us / us:7.2f} {gbps:11.1f} {diff:8.1e}")
+    return rows
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="V4-Flash")
     parser.add_argument("--tokens", default="1,16,128,512,2048,8192")
+    parser.add_argument("--formats", default="fp8",
+                        help="comma list of weight_format[:act_format] (fp8, mxfp4, nvfp4; act fp8 or fp4)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", action="store_true",
@@ -178,64 +261,12 @@ def main():
     log(f"EP={world}  copy {copy_bw / 1e12:.2f} TB/s  FP8 {fp8_rate / 1e12:.0f} TFLOP/s  "
         f"({torch.cuda.get_device_name()})")
     rows = []
+    pairs = [tuple((f + ":fp8").split(":")[:2]) for f in args.formats.split(",")]
     for model in args.models.split(","):
-        cfg = MODELS[model]
-        e, h, i, k = cfg["num_experts"], cfg["hidden"], cfg["intermediate"], cfg["top_k"]
-        num_local = e // world
-        gen = torch.Generator(device=device).manual_seed(17 + rank)
-        w13, sf13 = reference.make_fp8_block_weights(num_local, 2 * i, h, generator=gen, device=device)
-        l1 = megamoe.transform_weights(w13, sf13, weight_format="fp8", is_l1=True)
-        del w13, sf13
-        w2, sf2 = reference.make_fp8_block_weights(num_local, h, i, generator=gen, device=device)
-        l2 = megamoe.transform_weights(w2, sf2, weight_format="fp8", is_l1=False)
-        del w2, sf2
-        cap = max(tokens)
-        buf = megamoe.get_symm_buffer(dist.group.WORLD, e, cap, k, h, i, device=device)
-        peer = NcclPipeline(cfg, l1, l2, cap, device)
-        log(f"{'model':9} {'T/rank':>6} {'us':>9} {'floor':>8} {'t/floor':>7} {'peer us':>9} {'speedup':>7} "
-            f"{'NVLink GB/s':>11} {'rel diff':>8}")
-        for t in tokens:
-            g = torch.Generator().manual_seed(1000 * t + rank)
-            x = torch.randn(t, h, generator=g).to(device, torch.bfloat16)
-            idx, w = reference.make_random_routing(t, e, k, seed=1000 * t + 7 * rank + 1, device=device)
-            y = torch.empty_like(x)
-
-            def fused():
-                megamoe.pre_dispatch(x, idx, w, buf)
-                megamoe.fp8_mega_moe(y, l1, l2, buf)
-
-            us = timed(fused, args.iters)
-            if args.profile:
-                profile_kernels(fused, f"{model} T/rank={t}")
-            peer_us = timed(lambda: peer(x, idx, w), args.iters)
-            y_peer = peer(x, idx, w)
-            fused()
-            diff = ((y.float() - y_peer.float()).norm() / y_peer.float().norm().clamp_min(1e-30)).item()
-            # Floor of the slowest rank: its touched local experts' weight bytes, its FLOPs.
-            all_idx = [torch.empty_like(idx) for _ in range(world)]
-            dist.all_gather(all_idx, idx)
-            ids = torch.cat(all_idx).flatten()
-            ids = ids[ids >= 0].long()
-            local = ids[(ids // num_local) == rank]
-            touched = torch.unique(local).numel()
-            weight_bytes = touched * 3 * h * i * (1 + 4 / (64 * 128))
-            flops = local.numel() * 2 * 3 * h * i
-            floor = torch.tensor([max(weight_bytes / copy_bw, flops / fp8_rate) * 1e6], device=device)
-            dist.all_reduce(floor, op=dist.ReduceOp.MAX)
-            moved = torch.tensor([fused_bytes_moved(idx, num_local, rank, h + h // 32, h)], device=device,
-                                 dtype=torch.float64)
-            dist.all_reduce(moved, op=dist.ReduceOp.MAX)
-            gbps = moved.item() / (us * 1e-6) / 1e9
-            row = dict(op="fp8_mega_moe", format="fp8", act_format="fp8", model=model, ranks=world,
-                       tokens_per_rank=t, us=round(us, 2), floor_us=round(floor.item(), 2),
-                       time_over_floor=round(us / floor.item(), 3), peer="nccl_all_to_all+megamoe.moe",
-                       peer_us=round(peer_us, 2), speedup=round(peer_us / us, 3), tflops=None,
-                       gbps=round(gbps, 1), rel_diff_vs_peer=round(diff, 5))
-            rows.append(row)
-            log(f"{model:9} {t:6d} {us:9.1f} {floor.item():8.1f} {us / floor.item():7.2f} {peer_us:9.1f} "
-                f"{peer_us / us:7.2f} {gbps:11.1f} {diff:8.1e}")
-        del buf, peer, l1, l2
-        torch.cuda.empty_cache()
+        for weight_format, act_format in pairs:
+            rows += bench_model(MODELS[model], model, weight_format, act_format, tokens, args, copy_bw, fp8_rate,
+                                device)
+            torch.cuda.empty_cache()
     if rank == 0:
         commit = os.environ.get("MEGAMOE_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
