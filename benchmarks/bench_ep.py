@@ -196,13 +196,7 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
         idx, w = reference.make_random_routing(t, e, k, seed=1000 * t + 7 * rank + 1, device=device)
         y = torch.empty_like(x)
 
-        def fused():
-            megamoe.pre_dispatch(x, idx, w, buf, weight_format=weight_format)
-            if weight_format == "fp8":
-                megamoe.fp8_mega_moe(y, l1, l2, buf)
-            else:
-                megamoe.fp8_fp4_mega_moe(y, l1, l2, buf, weight_format=weight_format)
-
+        fused = bu.moe_step(x, idx, w, y, l1, l2, buf, weight_format)
         us = timed(fused, args.iters)
         if args.profile:
             profile_kernels(fused, f"{model} {weight_format}:{act_format} T/rank={t}")

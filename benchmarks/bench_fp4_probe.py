@@ -15,6 +15,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import megamoe  # noqa: E402
 from megamoe import reference  # noqa: E402
 
+import bench_utils as bu  # noqa: E402
+
 COMBOS = [("mxfp4", "fp8"), ("mxfp4", "fp4"), ("nvfp4", "fp8"), ("nvfp4", "fp4")]
 
 
@@ -80,13 +82,7 @@ def bench(tokens, model):
             y = torch.empty_like(x)
             l1, l2 = layers[wf]
 
-            def step():
-                megamoe.pre_dispatch(x, idx, w, buf, weight_format=wf)
-                if wf == "fp8":
-                    megamoe.fp8_mega_moe(y, l1, l2, buf)
-                else:
-                    megamoe.fp8_fp4_mega_moe(y, l1, l2, buf, weight_format=wf)
-
+            step = bu.moe_step(x, idx, w, y, l1, l2, buf, wf)
             us = time_graph(step)
             wbytes = sum(x.numel() * x.element_size() for x in (*l1[:2], *l2[:2])) / e * touched
             print(f"bench {model} T={t:5d} {wf:6s} a{af}: {us:8.1f} us  weights {wbytes / 1e6:7.1f} MB  "

@@ -67,3 +67,17 @@ def measure_fp8_matmul_flops(n: int = 8192) -> float:
     us = time_events(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
                      iters=10, flush=False)
     return 2 * n ** 3 / (us * 1e-6)
+
+
+def moe_step(x, idx, w, y, l1, l2, buf, weight_format: str) -> Callable[[], None]:
+    """One layer call as a user makes it: pre_dispatch, then the fused op of the weight format, into y."""
+    import megamoe
+
+    def step():
+        megamoe.pre_dispatch(x, idx, w, buf, weight_format=weight_format)
+        if weight_format == "fp8":
+            megamoe.fp8_mega_moe(y, l1, l2, buf)
+        else:
+            megamoe.fp8_fp4_mega_moe(y, l1, l2, buf, weight_format=weight_format)
+
+    return step

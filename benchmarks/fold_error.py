@@ -20,11 +20,11 @@ worst case for the fold. Nothing here runs a kernel.
 """
 from __future__ import annotations
 
-import argparse
 from unittest import mock
 
 import torch
 
+from format_error import layer_arguments, rel_err
 from megamoe import formats, reference
 
 FOLD_BLOCK, SCALE_BLOCK = 128, 32
@@ -68,11 +68,6 @@ def spread_scales(sf: torch.Tensor, spread: int, gen: torch.Generator) -> torch.
     return (sf.to(torch.int32) - drop).clamp(1, 254).to(torch.uint8)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def run(layer: dict, x, idx, w, fold_w: bool, fold_act: bool) -> torch.Tensor:
     if not fold_w and not fold_act:
         return reference.mega_moe(x, idx, w, layer["w13"], layer["w2"], weight_format="mxfp4", act_format="fp8",
@@ -89,13 +84,7 @@ def run(layer: dict, x, idx, w, fold_w: bool, fold_act: bool) -> torch.Tensor:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=512)
-    ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--seeds", type=int, default=3)
+    ap = layer_arguments()
     ap.add_argument("--spread", type=int, default=12, help="largest exponent drop in the spread-scale family")
     args = ap.parse_args()
     e, h, i, k, t = args.experts, args.hidden, args.intermediate, args.top_k, args.tokens

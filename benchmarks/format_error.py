@@ -22,7 +22,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def main():
+def layer_arguments() -> argparse.ArgumentParser:
+    """The layer and batch options of the format error studies (this script, fold_error.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -30,7 +31,11 @@ def main():
     ap.add_argument("--top-k", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--seeds", type=int, default=3)
-    args = ap.parse_args()
+    return ap
+
+
+def main():
+    args = layer_arguments().parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     e, h, i, k, t = args.experts, args.hidden, args.intermediate, args.top_k, args.tokens
     print(f"E={e} H={h} I={i} top-k={k} T={t}, {args.seeds} seeds, device {device}")

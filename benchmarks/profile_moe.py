@@ -10,6 +10,7 @@ import torch
 
 import megamoe
 import bench_moe as bm
+import bench_utils as bu
 
 
 def main():
@@ -31,13 +32,7 @@ def main():
         buf = megamoe.get_symm_buffer(None, e, t, k, h, i, act_format=act)
         y = torch.empty_like(x)
 
-        def step():
-            megamoe.pre_dispatch(x, idx, w, buf, weight_format=fmt)
-            if fmt == "fp8":
-                megamoe.fp8_mega_moe(y, l1, l2, buf)
-            else:
-                megamoe.fp8_fp4_mega_moe(y, l1, l2, buf, weight_format=fmt)
-
+        step = bu.moe_step(x, idx, w, y, l1, l2, buf, fmt)
         for _ in range(2 if args.ncu else 3):
             step()
         torch.cuda.synchronize()
