@@ -4,7 +4,7 @@
 # ",VAR=VALUE" settings for its runs (the same tree may appear with several settings); default ".ab/base .".
 # Trees other than "." are copies ignored by git (carry .ab). Prepare them here, e.g.
 #   rm -rf .ab && for b in main wip/x; do mkdir -p .ab/${b//\//-} && git archive $b | tar -x -C .ab/${b//\//-}; done
-#   device: run(command="AB_VARIANTS='.ab/main .ab/wip-x .,MEGAMOE_FP8_FUSED=1' bash benchmarks/ab.sh", carry=[".ab"])
+#   device: run(command="AB_VARIANTS='.ab/main .ab/wip-x .,MEGAMOE_FP8_FUSED=0' bash benchmarks/ab.sh", carry=[".ab"])
 # Each tree is built once, in place; with AB_TESTS (a pytest -k expression, or "all") the GPU tests (-m gpu, 300 s
 # per test at most) run for every variant but the first (the verified base), with its settings, and a variant
 # that fails them is left out of the benchmark; bench_moe (no peer pipeline) then runs on the variants in

@@ -14,7 +14,8 @@ ops = torch.ops.megamoe
 # Field order of get_buffer_layout's result (csrc/include/megamoe/layout/buffer.hpp).
 BUFFER_LAYOUT_FIELDS = (
     "total_bytes", "error_offset", "num_tokens_offset", "expert_count_offset", "expert_offset_offset",
-    "tile_offset_offset", "peer_ptrs_offset", "signal_offset", "x_offset", "x_sf_offset", "x_global_sf_offset", "topk_idx_offset",
+    "tile_offset_offset", "sched_offset", "peer_ptrs_offset", "signal_offset", "x_offset", "x_sf_offset",
+    "x_global_sf_offset", "topk_idx_offset",
     "topk_weights_offset", "pool_src_offset", "dispatch_x_offset", "dispatch_sf_offset",
     "dispatch_global_sf_offset", "dispatch_weight_offset", "pool_offset", "pool_sf_offset", "pool_global_sf_offset",
     "combine_offset", "token_bytes", "token_sf_bytes", "pool_rows", "pool_row_bytes",

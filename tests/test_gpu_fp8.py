@@ -176,6 +176,101 @@ def test_pre_dispatch_matches_cpu_bitwise(weight_format, act_format):
 
 
 # ------------------------------------------------------------------------------------------------
+# L1 and L2 in one launch (the default) vs two launches (MEGAMOE_FP8_FUSED=0, read per call)
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fused_env(monkeypatch):
+    def set_fused(on: bool):
+        if on:
+            monkeypatch.delenv("MEGAMOE_FP8_FUSED", raising=False)
+        else:
+            monkeypatch.setenv("MEGAMOE_FP8_FUSED", "0")
+    return set_fused
+
+
+def poison_outputs(buffer):
+    """0xFF (NaN in E4M3, float32 and bf16) over the pool, its scales and the combine area: a launch that read
+    them before they were written this call, or skipped tiles, cannot reuse an earlier call's values."""
+    lay = buffer.layout
+    buffer.buffer[lay["pool_offset"]:lay["total_bytes"]].fill_(0xFF)
+
+
+def sched_words(case):
+    return case.buffer.view("sched", (case.num_experts + 1,), torch.int32).tolist()
+
+
+@pytest.mark.parametrize("case_args", [(8, 256, 384, 3, 113, 0.25), (16, 384, 256, 4, 7, 0.0),
+                                       (64, 640, 896, 8, 333, 0.25), (256, 4096, 2048, 6, 1, 0.0),
+                                       (256, 4096, 2048, 6, 16, 0.0), (256, 4096, 2048, 6, 512, 0.1),
+                                       (256, 4096, 2048, 6, 4096, 0.0)],
+                         ids=lambda a: "E{}H{}I{}K{}T{}m{}".format(*a))
+def test_fused_launch_equals_two_launches(case_args, fused_env):
+    """The fused launch runs the same tiles with the same arithmetic as the two launches: bitwise equal
+    outputs and recv_stats, each call on a poisoned pool and combine area; its counters show it ran (every
+    tile handed out, every expert's L1 tiles counted); a second fused call (counters reset by routing)
+    gives the same output."""
+    e, h, i, k, t, masked = case_args
+    if e >= 256:
+        release_gpu_memory()  # one V4-Flash layer at a time: earlier cases' cached layers would not fit
+    case = make_case(e, h, i, k, t, device="cuda", masked_fraction=masked, seed=t + e)
+    if e <= 16:
+        skew_first_slot(case, e)  # hot experts with several token blocks
+    stats = [torch.zeros(e, dtype=torch.int32, device="cuda") for _ in range(2)]
+    fused_env(False)
+    poison_outputs(case.buffer)
+    y_split = run_poisoned(case, recv_stats=stats[0])
+    assert sched_words(case) == [0] * (e + 1)  # routing zeroed them; two launches leave them alone
+    fused_env(True)
+    poison_outputs(case.buffer)
+    y_fused = run_poisoned(case, recv_stats=stats[1])
+    words = sched_words(case)
+    tile_offset = case.buffer.view("tile_offset", (e + 1,), torch.int32).tolist()
+    l1_nblocks, l2_nblocks = (2 * i + 255) // 256, (h + 255) // 256
+    assert words[0] >= tile_offset[e] * (l1_nblocks + l2_nblocks) > 0  # every tile was handed out
+    assert words[1:] == [(tile_offset[x + 1] - tile_offset[x]) * l1_nblocks for x in range(e)]
+    poison_outputs(case.buffer)
+    y_again = run_poisoned(case)
+    assert torch.equal(y_fused, y_split)
+    assert torch.equal(y_again, y_split)
+    assert torch.equal(stats[0], stats[1])
+    assert rel_err(y_fused, case.ref) <= TOL
+
+
+def test_fused_launch_graph_replay(fused_env):
+    """The fused launch captured in a CUDA graph and replayed with new inputs (its counters are reset by the
+    routing kernel inside the graph) equals eager two-launch calls on those inputs."""
+    fused_env(True)
+    case = make_case(16, 256, 384, 4, 64, device="cuda", seed=21)
+    y = torch.empty_like(case.x)
+    x_in, idx_in, w_in = case.x.clone(), case.topk_idx.clone(), case.topk_weights.clone()
+
+    def call():
+        megamoe.pre_dispatch(x_in, idx_in, w_in, case.buffer, weight_format="fp8")
+        megamoe.fp8_mega_moe(y, case.l1, case.l2, case.buffer)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for seed in (1, 2):
+        other = make_case(16, 256, 384, 4, 64, device="cuda", seed=21 + seed, with_ref=False)  # new inputs
+        x_in.copy_(other.x), idx_in.copy_(other.topk_idx), w_in.copy_(other.topk_weights)
+        y.fill_(float("nan"))
+        poison_outputs(case.buffer)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert sched_words(case)[0] > 0  # the captured launch is the fused one
+        fused_env(False)
+        megamoe.pre_dispatch(x_in, idx_in, w_in, case.buffer, weight_format="fp8")
+        ref = torch.full_like(y, float("nan"))
+        megamoe.fp8_mega_moe(ref, case.l1, case.l2, case.buffer)
+        fused_env(True)
+        assert torch.equal(y, ref)
+        assert torch.isfinite(y).all()
+
+
+# ------------------------------------------------------------------------------------------------
 # Graphs and compile
 # ------------------------------------------------------------------------------------------------
 def test_cuda_graph_replay_with_new_inputs():

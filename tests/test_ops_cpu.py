@@ -8,7 +8,7 @@ from megamoe import formats
 from conftest import COMBOS, as_bytes, assert_bitwise_equal, make_case, random_layer
 
 E, H, I, K = 8, 256, 384, 3
-LAYOUT_REGIONS = ("error", "num_tokens", "expert_count", "expert_offset", "tile_offset", "x", "x_sf",
+LAYOUT_REGIONS = ("error", "num_tokens", "expert_count", "expert_offset", "tile_offset", "sched", "x", "x_sf",
                   "x_global_sf", "topk_idx", "topk_weights", "pool_src", "dispatch_x", "dispatch_sf",
                   "dispatch_global_sf", "pool", "pool_sf", "pool_global_sf", "combine")
 
@@ -299,7 +299,8 @@ def region_sizes(lay, top_k, hidden):
     cap, e_loc, rows = lay["max_tokens_per_rank"], lay["num_local_experts"], lay["pool_rows"]
     return {
         "error": 16, "num_tokens": 4, "expert_count": 4 * e_loc, "expert_offset": 4 * (e_loc + 1),
-        "tile_offset": 4 * (e_loc + 1), "x": cap * lay["token_bytes"], "x_sf": cap * lay["token_sf_bytes"],
+        "tile_offset": 4 * (e_loc + 1), "sched": 4 * (e_loc + 1), "x": cap * lay["token_bytes"],
+        "x_sf": cap * lay["token_sf_bytes"],
         "x_global_sf": 4 * cap, "topk_idx": 4 * cap * top_k, "topk_weights": 4 * cap * top_k,
         "pool_src": 4 * rows, "dispatch_x": rows * lay["token_bytes"], "dispatch_sf": rows * lay["token_sf_bytes"],
         "dispatch_global_sf": 4 * rows, "pool": rows * lay["pool_row_bytes"],

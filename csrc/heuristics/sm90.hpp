@@ -11,8 +11,9 @@
 namespace megamoe::heuristics {
 
 struct GroupedGemmConfig {
-  int block_m;     // tokens per tile (the wgmma N dimension): 16, 32 or 64
-  int num_stages;  // TMA pipeline depth
+  int block_m;         // tokens per tile (the wgmma N dimension): 16, 32 or 64
+  int num_stages;      // TMA pipeline depth
+  bool fused = false;  // FP8: L1 and L2 in one persistent launch
 };
 
 // Shared memory one stage takes: 256 x 128 weight bytes + block_m x 128 token bytes.
@@ -34,14 +35,21 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   GroupedGemmConfig c;
   c.block_m = rows <= 16 ? 16 : rows <= 32 ? 32 : 64;
   c.num_stages = num_stages_for(c.block_m);
+  // NOTES: one launch for L1 and L2 (L2 tiles start as soon as their expert's L1 tiles are stored, on SMs
+  // that finished L1, instead of after L1's tail and a second launch ramp). H100 A/B (2026-11-23, fused
+  // schedule without prefetch hints vs two launches): V4-Flash T=16 / 512 / 2048 -2.4 / -5.1 / -2.6 %,
+  // V4-Pro T=1 / 16 / 512 / 2048 -3.5 / -1.8 / -1.3 / -16.6 %, V4-Flash T=1 +1.4 %. MEGAMOE_FP8_FUSED=0
+  // selects the two launches (read per call: tests compare both in one process).
+  const char* fused_env = std::getenv("MEGAMOE_FP8_FUSED");
+  c.fused = !(fused_env != nullptr && fused_env[0] == '0');
   if (std::getenv("MEGAMOE_PRINT_CONFIGS") != nullptr) {
     static std::mutex mu;
     static std::set<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> printed;
     std::lock_guard<std::mutex> lock(mu);
     if (printed.insert({num_tokens, top_k, num_experts, hidden, intermediate}).second)
-      std::printf("megamoe: sm90 grouped GEMM T=%lld K=%lld E=%lld H=%lld I=%lld -> block_m=%d stages=%d\n",
+      std::printf("megamoe: sm90 grouped GEMM T=%lld K=%lld E=%lld H=%lld I=%lld -> block_m=%d stages=%d fused=%d\n",
                   (long long)num_tokens, (long long)top_k, (long long)num_experts, (long long)hidden,
-                  (long long)intermediate, c.block_m, c.num_stages);
+                  (long long)intermediate, c.block_m, c.num_stages, int(c.fused));
   }
   return c;
 }
@@ -78,6 +86,7 @@ inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top
                                                  int64_t hidden, int64_t intermediate, bool act_fp4) {
   GroupedGemmConfig c = choose_grouped_gemm(num_tokens, top_k, num_experts, hidden, intermediate);
   c.num_stages = fp4_num_stages_for(c.block_m, act_fp4);
+  c.fused = false;  // the FP4 kernels run L1 and L2 as two launches
   return c;
 }
 

@@ -31,23 +31,28 @@ void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, ActRecip
 void launch_combine(void* y, uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens,
                     int num_sms, cudaStream_t stream);
 
-// Grouped FP8 GEMM over (expert, token block, 256 weight rows) tiles.
-struct GroupedGemmArgs {
+// Grouped FP8 GEMMs over (expert, token block, 256 weight rows) tiles: L1 (dispatch rows x w13 -> SwiGLU ->
+// FP8 pool) and L2 (pool x w2 -> bf16 rows in the combine area), as one launch (fused) or two.
+struct GroupedGemmArgs {     // one GEMM's operands
   CUtensorMap tmap_weights;  // fp8 [E * n, k], box {128, 256}, 128B swizzle
   CUtensorMap tmap_acts;     // fp8 [pool_rows, k], box {128, block_m}, 128B swizzle
   const float* weights_sf;   // float32 [E, n / 64, k / 128]
   const float* acts_sf;      // float32 [k / 128, pool_rows]
   int n, k;
-  bool is_l1;                // L1: SwiGLU + FP8 requant into the pool; L2: bf16 rows into combine
-  float activation_clamp;    // < 0: no clamp
+};
+struct GroupedGemmLaunch {
+  int block_m;
+  bool fused;              // one launch for both GEMMs
+  float activation_clamp;  // < 0: no clamp
   bool fast_math;
 };
+void launch_fp8_grouped_gemms(const GroupedGemmArgs& l1, const GroupedGemmArgs& l2, uint8_t* buffer,
+                              const layout::BufferLayout& layout, const GroupedGemmLaunch& how, int num_sms,
+                              cudaStream_t stream);
+
 // 2D tensor map over a row-major byte matrix [outer, inner], 128-byte swizzled boxes {box_inner, box_outer}.
 CUtensorMap make_tensor_map_2d(const void* base, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
                                uint32_t box_inner, uint32_t box_outer);
-
-void launch_fp8_grouped_gemm(const GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
-                             int block_m, int num_sms, cudaStream_t stream);
 
 // Grouped FP4-weight GEMM (MXFP4 / NVFP4 weights decoded on chip to bf16; sm90_fp4_grouped_gemm.cuh).
 struct Fp4GroupedGemmArgs {

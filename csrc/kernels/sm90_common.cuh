@@ -214,11 +214,11 @@ struct TileInfo {
   int expert, m_block, n_block, row0, rows;
 };
 // NOTES: only the producer runs decode_tile's binary search (a chain of dependent L2 loads, ~8 for 256
-// experts): the TMA thread, and the producer's scale-copy warp, which runs ahead on its own. The TMA thread
-// stores the TileInfo in shared memory next to the tile's first stage (tile_infos[stage]) before arming
-// that stage's full barrier, whose release/acquire publishes it. The consumer roles read it after their
-// wait on that stage; the producer rewrites the slot only once every consumer has released the stage. ncu
-// had the consumers of the FP4 kernel spend ~5 % of their time in their own search at each tile start.
+// experts): in the FP4 kernel its TMA thread and its scale-copy warp, in the FP8 kernel its one warp. The
+// producer stores the TileInfo in shared memory next to the tile's first stage (tile_infos[stage]) before
+// arming that stage's full barrier, whose release/acquire publishes it. The consumer roles read it after
+// their wait on that stage; the producer rewrites the slot only once every consumer has released the stage.
+// ncu had the consumers of the FP4 kernel spend ~5 % of their time in their own search at each tile start.
 
 __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_offset, const int* expert_offset,
                                                 int num_experts, int num_nblocks, int block_m) {

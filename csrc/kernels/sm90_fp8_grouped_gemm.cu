@@ -10,41 +10,47 @@ namespace megamoe::kernels {
 
 namespace {
 
-template <int kBlockM, bool kIsL1>
-void launch_config(const GroupedGemmArgs& a, const GemmParams& p, int num_sms, cudaStream_t stream) {
+template <int kBlockM, Gemms kGemms>
+void launch_config(const GroupedGemmArgs& l1, const GroupedGemmArgs& l2, const GemmParams& p, int num_sms,
+                   cudaStream_t stream) {
   constexpr int kStages = heuristics::num_stages_for(kBlockM);
-  using Smem = GemmSmem<kBlockM, kStages, kIsL1>;
+  using Smem = GemmSmem<kBlockM, kStages, kGemms>;
   static_assert(Smem::kBytes <= 227 * 1024, "grouped GEMM shared memory exceeds the 227 KB a block may use");
-  constexpr auto kernel = sm90_fp8_grouped_gemm_kernel<kBlockM, kStages, kIsL1>;
+  constexpr auto kernel = sm90_fp8_grouped_gemm_kernel<kBlockM, kStages, kGemms>;
   allow_dynamic_smem<kernel>(Smem::kBytes);
-  launch_pdl(kernel, dim3(num_sms), dim3(kNumThreads), Smem::kBytes, stream, a.tmap_weights, a.tmap_acts, p);
+  launch_pdl(kernel, dim3(num_sms), dim3(kNumThreads), Smem::kBytes, stream, l1.tmap_weights, l1.tmap_acts,
+             l2.tmap_weights, l2.tmap_acts, p);
+}
+
+template <int kBlockM>
+void launch_block_m(const GroupedGemmArgs& l1, const GroupedGemmArgs& l2, const GemmParams& p, bool fused,
+                    int num_sms, cudaStream_t stream) {
+  if (fused) {
+    launch_config<kBlockM, Gemms::kFused>(l1, l2, p, num_sms, stream);
+  } else {
+    launch_config<kBlockM, Gemms::kL1>(l1, l2, p, num_sms, stream);
+    launch_config<kBlockM, Gemms::kL2>(l1, l2, p, num_sms, stream);
+  }
 }
 
 }  // namespace
 
-void launch_fp8_grouped_gemm(const GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
-                             int block_m, int num_sms, cudaStream_t stream) {
+void launch_fp8_grouped_gemms(const GroupedGemmArgs& l1, const GroupedGemmArgs& l2, uint8_t* buffer,
+                              const layout::BufferLayout& layout, const GroupedGemmLaunch& how, int num_sms,
+                              cudaStream_t stream) {
   GemmParams p;
-  p.weights_sf = args.weights_sf;
-  p.acts_sf = args.acts_sf;
+  p.op[0] = {l1.weights_sf, l1.acts_sf, l1.n, l1.k};
+  p.op[1] = {l2.weights_sf, l2.acts_sf, l2.n, l2.k};
   p.buffer = buffer;
   p.l = layout;
-  p.n = args.n;
-  p.k = args.k;
-  p.activation_clamp = args.activation_clamp;
-  p.fast_math = args.fast_math;
-#define MEGAMOE_LAUNCH_BLOCK_M(BM)                                              \
-  case BM:                                                                      \
-    if (args.is_l1) launch_config<BM, true>(args, p, num_sms, stream);          \
-    else launch_config<BM, false>(args, p, num_sms, stream);                    \
-    return;
-  switch (block_m) {
-    MEGAMOE_LAUNCH_BLOCK_M(16)
-    MEGAMOE_LAUNCH_BLOCK_M(32)
-    MEGAMOE_LAUNCH_BLOCK_M(64)
+  p.activation_clamp = how.activation_clamp;
+  p.fast_math = how.fast_math;
+  switch (how.block_m) {
+    case 16: return launch_block_m<16>(l1, l2, p, how.fused, num_sms, stream);
+    case 32: return launch_block_m<32>(l1, l2, p, how.fused, num_sms, stream);
+    case 64: return launch_block_m<64>(l1, l2, p, how.fused, num_sms, stream);
   }
-#undef MEGAMOE_LAUNCH_BLOCK_M
-  throw std::runtime_error("megamoe: grouped GEMM has no instantiation for block_m = " + std::to_string(block_m));
+  throw std::runtime_error("megamoe: grouped GEMM has no instantiation for block_m = " + std::to_string(how.block_m));
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -2,19 +2,30 @@
 // weight rows) tiles. Weights are the wgmma A operand (64-row slices, "swap AB"), so a decode step
 // with a handful of tokens per expert still fills the 64-row MMA dimension with weights.
 //
-// Warp roles (384 threads): warpgroup 0 = producer (thread 0: TMA of the weight and token tiles; warp 1:
-// cp.async of the stage's block scales into shared memory), warpgroups 1-2 = consumers, each owning 128
-// weight rows = two 64-row slices. In L1 the slices are a gate chunk and its up chunk
-// (transform_weights interleaves them), so SwiGLU happens in registers.
+// Warp roles (384 threads): warp 0 = producer (lane 0: work tiles and TMA of the weight and token tiles;
+// all lanes: cp.async of the stage's block scales into shared memory), warpgroups 1-2 = consumers, each
+// owning 128 weight rows = two 64-row slices. In L1 the slices are a gate chunk and its up chunk
+// (transform_weights interleaves them), so SwiGLU happens in registers. The producer hands every work tile
+// to the consumers through shared memory (TileInfo beside the tile's first stage) and ends with an end
+// marker, so only the producer knows the walk.
 //
 // Per 128-K block: 4 wgmma k32 steps into a fresh partial accumulator, then promotion
 // acc += partial * weight_scale(64-row chunk, k block) * token_scale(token, k block) in float32.
 // NOTES: promoting once per scale block (as DeepGEMM does) also bounds the error of Hopper's
 // reduced-precision FP8 accumulation (~14 bits after alignment, DeepSeek-V3 report).
-// NOTES: the scales of a stage arrive with it (producer warp 1, cp.async completing on the stage's full
-// barrier), so promotion reads shared memory. Before, each consumer thread loaded its 2 + block_m / 4
-// scales from global memory at the top of the stage (~130 L2 requests per stage and SM at block_m 64), and
-// promotion waited for them: the T=1 profile had 44 % of the L1 kernel's stall samples on that wait.
+// NOTES: the scales of a stage arrive with it (cp.async completing on the stage's full barrier), so
+// promotion reads shared memory. Before, each consumer thread loaded its 2 + block_m / 4 scales from global
+// memory at the top of the stage (~130 L2 requests per stage and SM at block_m 64), and promotion waited for
+// them: the T=1 profile had 44 % of the L1 kernel's stall samples on that wait.
+//
+// Launch shapes (Gemms):
+//  - kL1 / kL2: one GEMM, tiles walked statically (CTA b takes tiles b, b + grid, ...).
+//  - kFused: L1 and L2 in one launch. The L2 tiles follow the L1 tiles in one list handed out by an atomic
+//    counter, and an L2 tile's token part (pool rows and their scales) loads only once every L1 tile of its
+//    expert has stored its outputs (per-expert completion counters). Because tiles are taken in list order,
+//    every L1 tile is already held by a running CTA when an L2 tile waits for it, and L1 tiles wait for
+//    nothing: no deadlock whatever number of CTAs is resident. Meanwhile the L2 tile's weights stream in
+//    (they depend on nothing), so L2 overlaps L1's tail instead of following it.
 #pragma once
 
 #include <cuda.h>
@@ -32,36 +43,56 @@ constexpr int kBlockK = 128;           // K per stage (one scale block, one 128-
 constexpr int kNumThreads = 384;
 constexpr int kNumConsumerThreads = 256;
 
-struct GemmParams {
+enum class Gemms { kL1, kL2, kFused };
+
+// One GEMM's operands besides its tensor maps. L1: dispatch rows x w13 -> SwiGLU -> FP8 pool; L2: pool x w2
+// -> bf16 rows in the combine area.
+struct GemmOperand {
   const float* weights_sf;  // [E, n / 64, k / 128]
   const float* acts_sf;     // [k / 128, pool_rows] (K-block-major: a K block's token scales are contiguous)
+  int n, k;
+};
+
+struct GemmParams {
+  GemmOperand op[2];  // [0] L1, [1] L2; a split launch reads only its own
   uint8_t* buffer;
   layout::BufferLayout l;
-  int n, k;
   float activation_clamp;  // < 0: none
   bool fast_math;
 };
 
-template <int kBlockM, int kNumStages, bool kIsL1>
+// A work tile as the producer hands it to the consumers: gemm 0 (L1) or 1 (L2); expert < 0 ends the walk.
+struct WorkTile : TileInfo {
+  int gemm;
+};
+
+template <int kBlockM, int kNumStages, Gemms kGemms>
 struct GemmSmem {
   static constexpr int kTileA = kBlockN * kBlockK;       // bytes
   static constexpr int kTileB = kBlockM * kBlockK;       // bytes
-  static constexpr int kEpilogue = kIsL1 ? kBlockM * 128 + 8 * kBlockM * 4 : kBlockM * kBlockN * 2;
+  static constexpr int kEpilogueL1 = kBlockM * 128 + 8 * kBlockM * 4;  // FP8 outputs, per-warp token amax
+  static constexpr int kEpilogueL2 = kBlockM * kBlockN * 2;           // bf16 outputs
+  static constexpr int kEpilogue = kGemms == Gemms::kL1 ? kEpilogueL1
+                                   : kGemms == Gemms::kL2 ? kEpilogueL2
+                                   : (kEpilogueL1 > kEpilogueL2 ? kEpilogueL1 : kEpilogueL2);
   // Scales of one stage (float32): the tile's four 64-row weight chunks, then its kBlockM token columns.
   static constexpr int kScales = (kBlockN / 64 + kBlockM) * 4;
   static_assert(kScales % 16 == 0 && kEpilogue % 16 == 0, "scale slots must stay 16-byte aligned");
   static constexpr int kBytes = 1024 /* alignment slack */ + kNumStages * (kTileA + kTileB) + kEpilogue +
-                                2 * kNumStages * 8 + kNumStages * int(sizeof(TileInfo)) + kNumStages * kScales;
+                                2 * kNumStages * 8 + kNumStages * int(sizeof(WorkTile)) + kNumStages * kScales;
 };
 
-template <int kBlockM, int kNumStages, bool kIsL1>
+template <int kBlockM, int kNumStages, Gemms kGemms>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    sm90_fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
-                                 const __grid_constant__ CUtensorMap tmap_acts, GemmParams p) {
+    sm90_fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights1,
+                                 const __grid_constant__ CUtensorMap tmap_acts1,
+                                 const __grid_constant__ CUtensorMap tmap_weights2,
+                                 const __grid_constant__ CUtensorMap tmap_acts2, GemmParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Smem = GemmSmem<kBlockM, kNumStages, kIsL1>;
+  using Smem = GemmSmem<kBlockM, kNumStages, kGemms>;
   using Mma = ptx::WgmmaFP8<kBlockM>;
   constexpr int kRegs = Mma::kNumRegs;
+  constexpr bool kFused = kGemms == Gemms::kFused;
   static_assert(kBlockM % 8 == 0 && kBlockM <= 64, "token block must be a multiple of 8, at most 64");
 
   extern __shared__ uint8_t smem_raw[];
@@ -77,7 +108,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   float* stage_scales = reinterpret_cast<float*>(epilogue + Smem::kEpilogue);
   uint64_t* full = reinterpret_cast<uint64_t*>(stage_scales + kNumStages * (Smem::kScales / 4));
   uint64_t* empty = full + kNumStages;
-  TileInfo* tile_infos = reinterpret_cast<TileInfo*>(empty + kNumStages);  // [kNumStages], see TileInfo
+  WorkTile* tile_infos = reinterpret_cast<WorkTile*>(empty + kNumStages);  // [kNumStages], see TileInfo
 
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
@@ -85,17 +116,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int num_experts = static_cast<int>(l.num_local_experts);
   const int* tile_offset = reinterpret_cast<const int*>(p.buffer + l.tile_offset_offset);
   const int* expert_offset = reinterpret_cast<const int*>(p.buffer + l.expert_offset_offset);
-  const int num_nblocks = (p.n + kBlockN - 1) / kBlockN;
-  const int num_kblocks = p.k / kBlockK;
-  // NOTES: routing metadata (tile_offset, expert_offset) is final before this grid launches: the
-  // predecessor allows the launch only after its own dependency wait, which follows the routing kernel.
-  // Reads bypass L1 (__ldcg) so no line cached by an earlier kernel on this SM can be stale.
-  const int num_tiles = __ldcg(tile_offset + num_experts) * num_nblocks;
+  // [0]: next work tile of the fused walk; [1 + e]: L1 tiles of expert e whose outputs are stored.
+  int* sched = reinterpret_cast<int*>(p.buffer + l.sched_offset);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbarrier_init(&full[s], 1 + 32);  // TMA thread + the 32 scale-copy lanes
-      ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32);
+      ptx::mbarrier_init(&full[s], 1 + 32);  // lane 0's expect_tx (or plain) arrival + the 32 scale-copy lanes
+      ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32);  // one arrival per consumer warp
     }
     ptx::fence_barrier_init();
   }
@@ -104,64 +131,138 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warpgroup == 0) {
     // ======================================================================== producer
     ptx::setmaxnreg_dec<40>();
-    if (threadIdx.x == 0) {
-      ptx::prefetch_tensormap(&tmap_weights);
-      ptx::prefetch_tensormap(&tmap_acts);
-      // NOTES: weights depend on no earlier kernel, so the first kNumStages weight tiles load before the
-      // dependency wait (overlapping the predecessor's tail); their token tiles load after it.
-      int pending_row[kNumStages], pending_kb[kNumStages];
-      int issued = 0;
-      bool waited = false;
-      auto finish_wait = [&] {
-        ptx::grid_dependency_wait();
-        ptx::launch_dependents();
-        for (int s = 0; s < issued && s < kNumStages; ++s)
-          ptx::tma_load_2d(tile_b + s * Smem::kTileB, &tmap_acts, &full[s], pending_kb[s] * kBlockK, pending_row[s]);
-        waited = true;
+    if (threadIdx.x < 32) {
+      // NOTES: routing metadata (tile_offset, expert_offset, the zeroed sched words) is final before this grid
+      // launches: the predecessor allows the launch only after its own dependency wait, which follows the
+      // routing kernel. Reads bypass L1 (__ldcg) so no line cached by an earlier kernel on this SM can be stale.
+      const int num_blocks = __ldcg(tile_offset + num_experts);  // token blocks of kBlockM rows
+      const int nblocks1 = (p.op[0].n + kBlockN - 1) / kBlockN, nblocks2 = (p.op[1].n + kBlockN - 1) / kBlockN;
+      const int num_l1_tiles = kGemms == Gemms::kL2 ? 0 : num_blocks * nblocks1;
+      const int num_tiles = num_l1_tiles + (kGemms == Gemms::kL1 ? 0 : num_blocks * nblocks2);
+      auto work_tile = [&](int tile) {
+        WorkTile w;
+        w.gemm = tile < num_l1_tiles ? 0 : 1;
+        static_cast<TileInfo&>(w) = decode_tile(tile - (w.gemm ? num_l1_tiles : 0), tile_offset, expert_offset,
+                                                num_experts, w.gemm ? nblocks2 : nblocks1, kBlockM);
+        return w;
       };
-      int stage = 0;
-      uint32_t phase = 0;
-      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
-        const int weight_row = t.expert * p.n + t.n_block * kBlockN;
-        for (int kb = 0; kb < num_kblocks; ++kb) {
-          if (!waited && issued == kNumStages) finish_wait();
-          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
-          if (kb == 0) tile_infos[stage] = t;
-          ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + Smem::kTileB);
-          ptx::tma_load_2d(tile_a + stage * Smem::kTileA, &tmap_weights, &full[stage], kb * kBlockK, weight_row);
-          if (waited) {
-            ptx::tma_load_2d(tile_b + stage * Smem::kTileB, &tmap_acts, &full[stage], kb * kBlockK, t.row0);
-          } else {
-            pending_row[issued] = t.row0;
-            pending_kb[issued] = kb;
-          }
-          ++issued;
-          if (++stage == kNumStages) stage = 0, phase ^= 1;
+      if (lane == 0) {  // the tensor maps this launch uses
+        if constexpr (kGemms != Gemms::kL2) {
+          ptx::prefetch_tensormap(&tmap_weights1);
+          ptx::prefetch_tensormap(&tmap_acts1);
+        }
+        if constexpr (kGemms != Gemms::kL1) {
+          ptx::prefetch_tensormap(&tmap_weights2);
+          ptx::prefetch_tensormap(&tmap_acts2);
         }
       }
-      if (!waited) finish_wait();
-    } else if (threadIdx.x / 32 == 1) {
-      // Block scales of each stage: weight chunk c of the tile (lanes 0-3; chunks past n are never read) and
-      // the token columns [row0, row0 + kBlockM) of the K-block-major token scales (columns past the pool
-      // end are never stored; their slots keep old values).
-      // The token scales come from the grid before this one: wait for it as the TMA thread does.
-      ptx::grid_dependency_wait();
+
+      // Token parts (token tile and token scales) wait on the previous grid (gather or L1: programmatic launch)
+      // and, for a fused L2 tile, on its expert's L1 tiles; weights and weight scales wait on nothing. A stage
+      // whose token part must wait is issued without it and recorded here; the token parts go out in order
+      // when the ring is all such stages or the tile ends (a later tile's stages must never sit behind them:
+      // the consumers take stages in order, so the producer would wait for a slot they cannot free).
+      struct Pending {
+        int stage, kb, row0, rows, gemm;
+      };
+      // Every L1 tile of expert e has stored its pool rows and scales (its consumers' release, acquired here).
+      auto l1_done = [&](int e) {
+        const int needed = (__ldcg(tile_offset + e + 1) - __ldcg(tile_offset + e)) * nblocks1;
+        return ptx::ld_acquire_gpu(sched + 1 + e) >= needed;
+      };
+      Pending pending[kNumStages];
+      int num_pending = 0, pending_expert = -1;  // the fused L2 tile's expert the pending parts wait for
+      bool grid_ready = false;
+      auto token_part = [&](int stage, int kb, int row0, int rows, int gemm) {
+        if (lane == 0)
+          ptx::tma_load_2d(tile_b + stage * Smem::kTileB, gemm ? &tmap_acts2 : &tmap_acts1, &full[stage], kb * kBlockK,
+                           row0);
+        // The tile's own token columns [row0, row0 + rows); the other slots keep old values (those columns are
+        // never stored). NOTES: the columns past `rows` belong to the next expert, whose fused L1 tiles may still
+        // be writing them; cp.async.ca would cache such lines in L1.
+        float* dst = stage_scales + stage * (Smem::kScales / 4) + kBlockN / 64;
+        const float* src = p.op[gemm].acts_sf + int64_t(kb) * l.pool_rows + row0;
+#pragma unroll
+        for (int c = lane; c < kBlockM; c += 32)
+          if (c < rows) ptx::cp_async_4(dst + c, src + c);
+        ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
+      };
+      auto flush_pending = [&] {
+        if (num_pending == 0) return;
+        if (!grid_ready) {
+          ptx::grid_dependency_wait();
+          ptx::launch_dependents();
+          grid_ready = true;
+        }
+        if (kFused && pending_expert >= 0) {
+          while (!l1_done(pending_expert)) __nanosleep(32);
+          ptx::fence_proxy_async_global();  // the L1 tiles' generic stores, read next by TMA
+        }
+        for (int i = 0; i < num_pending; ++i)
+          token_part(pending[i].stage, pending[i].kb, pending[i].row0, pending[i].rows, pending[i].gemm);
+        num_pending = 0;
+        pending_expert = -1;
+      };
+
       int stage = 0;
       uint32_t phase = 0;
-      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
-        const int first_chunk = (t.expert * p.n + t.n_block * kBlockN) / 64;
-        const bool chunk_valid = lane < kBlockN / 64 && t.n_block * kBlockN + lane * 64 < p.n;
-        for (int kb = 0; kb < num_kblocks; ++kb) {
+      int tile = kFused ? 0 : static_cast<int>(blockIdx.x);
+      for (bool first = true;; first = false) {
+        flush_pending();  // the previous tile's token parts (see Pending)
+        if constexpr (kFused) {
+          tile = lane == 0 ? atomicAdd(sched, 1) : 0;
+          tile = __shfl_sync(0xffffffffu, tile, 0);
+        } else if (!first) {
+          tile += static_cast<int>(gridDim.x);
+        }
+        if (tile >= num_tiles) {
+          // End marker: one more stage, no data, which the consumers read and stop at.
           ptx::mbarrier_wait(&empty[stage], phase ^ 1);
-          float* dst = stage_scales + stage * (Smem::kScales / 4);
-          if (chunk_valid) ptx::cp_async_4(dst + lane, p.weights_sf + int64_t(first_chunk + lane) * num_kblocks + kb);
-          const float* src = p.acts_sf + int64_t(kb) * l.pool_rows + t.row0;
-#pragma unroll
-          for (int c = lane; c < kBlockM; c += 32)
-            if (t.row0 + c < l.pool_rows) ptx::cp_async_4(dst + kBlockN / 64 + c, src + c);
-          ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
+          if (lane == 0) {
+            WorkTile end{};
+            end.expert = -1;
+            tile_infos[stage] = end;
+          }
+          __syncwarp();
+          ptx::mbarrier_arrive(&full[stage]);  // 32 lanes
+          if (lane == 0) ptx::mbarrier_arrive(&full[stage]);  // in place of the expect_tx arrival
+          break;
+        }
+        const WorkTile t = work_tile(tile);
+        const GemmOperand& op = p.op[t.gemm];
+        const CUtensorMap* tmap_w = t.gemm ? &tmap_weights2 : &tmap_weights1;
+        const int num_kblocks = op.k / kBlockK;
+        const int weight_row = t.expert * op.n + t.n_block * kBlockN;
+        const int first_chunk = weight_row / 64;
+        const bool chunk_valid = lane < kBlockN / 64 && t.n_block * kBlockN + lane * 64 < op.n;
+        // A fused L2 tile whose expert's L1 tiles are done already loads its token part directly.
+        bool tile_ready = !(kFused && t.gemm == 1);
+        // Warp-uniform (every lane's own acquire must have seen the count before any lane loads).
+        if (kFused && !tile_ready && grid_ready && __all_sync(0xffffffffu, l1_done(t.expert))) {
+          ptx::fence_proxy_async_global();
+          tile_ready = true;
+        }
+        for (int kb = 0; kb < num_kblocks; ++kb) {
+          if (num_pending == kNumStages) {
+            flush_pending();  // this tile's (see Pending): both of its gates are open afterwards
+            tile_ready = true;
+          }
+          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+          if (lane == 0) {
+            if (kb == 0) tile_infos[stage] = t;
+            ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + Smem::kTileB);
+            ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w, &full[stage], kb * kBlockK, weight_row);
+          }
+          // Weight scales of the tile's four 64-row chunks (lanes 0-3; chunks past n are never read).
+          if (chunk_valid)
+            ptx::cp_async_4(stage_scales + stage * (Smem::kScales / 4) + lane,
+                            op.weights_sf + int64_t(first_chunk + lane) * num_kblocks + kb);
+          if (!grid_ready || !tile_ready) {
+            pending[num_pending++] = {stage, kb, t.row0, t.rows, t.gemm};
+            if (!tile_ready) pending_expert = t.expert;
+          } else {
+            token_part(stage, kb, t.row0, t.rows, t.gemm);
+          }
           if (++stage == kNumStages) stage = 0, phase ^= 1;
         }
       }
@@ -182,13 +283,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint32_t phase = 0;
   const uint32_t tile_a_desc_lo = ptx::smem_desc_sw128_lo(tile_a), tile_b_desc_lo = ptx::smem_desc_sw128_lo(tile_b);
 
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    ptx::mbarrier_wait(&full[stage], phase);  // the tile's first stage carries its TileInfo
-    const TileInfo t = tile_infos[stage];
+  for (;;) {
+    ptx::mbarrier_wait(&full[stage], phase);  // the tile's first stage carries its WorkTile
+    const WorkTile t = tile_infos[stage];
+    if (t.expert < 0) break;  // the producer's end marker
+    const bool is_l1 = kGemms == Gemms::kL1 || (kFused && t.gemm == 0);
+    const int n = p.op[t.gemm].n, num_kblocks = p.op[t.gemm].k / kBlockK;
     // NOTES: n (= hidden in L2) is a multiple of 128, not always of 256: the last tile's upper half
     // then lies past this expert's rows; its scales are never read and its rows never stored.
     const int first_row = t.n_block * kBlockN + consumer * 128;
-    const bool valid0 = first_row < p.n, valid1 = first_row + 64 < p.n;
+    const bool valid0 = first_row < n, valid1 = first_row + 64 < n;
 
     float acc0[kRegs], acc1[kRegs];
 #pragma unroll
@@ -243,7 +347,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
 
     // ======================================================================== epilogue
-    if constexpr (kIsL1) {
+    if (is_l1) {
       // SwiGLU in registers: acc0 = gate rows, acc1 = the matching up rows.
       float* amax_smem = reinterpret_cast<float*>(epilogue + kBlockM * 128);  // [8 warps][kBlockM]
       const float* row_weight = reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset);
@@ -289,14 +393,23 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       // Coalesced copy-out: 8 x 16 bytes per token row.
-      const int inter = p.n / 2;
+      const int inter = n / 2;
       for (int c = ctid; c < kBlockM * 8; c += kNumConsumerThreads) {
         const int col = c / 8, part = c % 8;
         if (col < t.rows)
           *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter + t.n_block * 128 +
                                     part * 16) = reinterpret_cast<const uint4*>(out_tile)[c];
       }
+      if constexpr (kFused) ptx::fence_proxy_async_global();  // this thread's pool stores, read by L2's TMA
       ptx::named_barrier_sync(1, kNumConsumerThreads);
+      if constexpr (kFused) {
+        // This L1 tile's outputs (rows and scales, every consumer thread's, ordered by the barrier) are
+        // stored: count it for its expert; the expert's L2 tiles wait for the count (producer, Pending).
+        if (ctid == 0) {
+          __threadfence();
+          ptx::red_release_gpu_add(sched + 1 + t.expert, 1);
+        }
+      }
     } else {
       // L2: bf16 rows into the combine area of the token's rank at (token, slot) (NVLink stores for a peer).
       __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epilogue);  // [kBlockM][256]
@@ -308,7 +421,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         out_tile[col * kBlockN + row + 64] = __float2bfloat16_rn(acc1[i]);
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
-      store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(out_tile, p.buffer, l, t.row0, t.rows, t.n_block, p.n,
+      store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(out_tile, p.buffer, l, t.row0, t.rows, t.n_block, n,
                                                                ctid);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     }

@@ -108,6 +108,7 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   int* expert_count = reinterpret_cast<int*>(buffer + l.expert_count_offset);
   int* expert_offset = reinterpret_cast<int*>(buffer + l.expert_offset_offset);
   int* tile_offset = reinterpret_cast<int*>(buffer + l.tile_offset_offset);
+  int* sched = reinterpret_cast<int*>(buffer + l.sched_offset);  // the fused FP8 GEMM's counters: fresh per call
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     const int per_lane = (num_experts + 31) / 32;
@@ -125,12 +126,13 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
       expert_count[e] = count[e];
       expert_offset[e] = rows_before;
       tile_offset[e] = tiles_before;
+      sched[1 + e] = 0;
       cursor[e] = rows_before;
       if (recv_stats != nullptr) recv_stats[e] += count[e];
       rows_before += count[e];
       tiles_before += (count[e] + block_m - 1) / block_m;
     }
-    if (lane == 31) expert_offset[num_experts] = rows_before, tile_offset[num_experts] = tiles_before;
+    if (lane == 31) expert_offset[num_experts] = rows_before, tile_offset[num_experts] = tiles_before, sched[0] = 0;
   }
   __syncthreads();
 

@@ -51,7 +51,7 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
                           recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream);
   kernels::launch_gather(buf, l, ActRecipe::kFP8F32Block128, sms, stream);
 
-  // ---- L1: dispatch rows x w13 -> SwiGLU -> FP8 pool
+  // ---- L1: dispatch rows x w13 -> SwiGLU -> FP8 pool; L2: pool x w2 -> bf16 rows in the combine area
   kernels::GroupedGemmArgs g1;
   g1.tmap_weights = kernels::make_tensor_map_2d(l1_weights.data_ptr(), h, e * 2 * inter, h, 128, 256);
   g1.tmap_acts = kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, h, rows, l.token_bytes, 128, bm);
@@ -59,21 +59,19 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
   g1.weights_sf = l1_weights_sf.data_ptr<float>();
   g1.n = static_cast<int>(2 * inter);
   g1.k = static_cast<int>(h);
-  g1.is_l1 = true;
-  g1.activation_clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
-  g1.fast_math = fast_math;
-  kernels::launch_fp8_grouped_gemm(g1, buf, l, cfg.block_m, sms, stream);
-
-  // ---- L2: pool x w2 -> bf16 rows in the combine area
-  kernels::GroupedGemmArgs g2 = g1;
+  kernels::GroupedGemmArgs g2;
   g2.tmap_weights = kernels::make_tensor_map_2d(l2_weights.data_ptr(), inter, e * h, inter, 128, 256);
   g2.tmap_acts = kernels::make_tensor_map_2d(buf + l.pool_offset, inter, rows, l.pool_row_bytes, 128, bm);
   g2.acts_sf = reinterpret_cast<const float*>(buf + l.pool_sf_offset);
   g2.weights_sf = l2_weights_sf.data_ptr<float>();
   g2.n = static_cast<int>(h);
   g2.k = static_cast<int>(inter);
-  g2.is_l1 = false;
-  kernels::launch_fp8_grouped_gemm(g2, buf, l, cfg.block_m, sms, stream);
+  kernels::GroupedGemmLaunch how;
+  how.block_m = cfg.block_m;
+  how.fused = cfg.fused;
+  how.activation_clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
+  how.fast_math = fast_math;
+  kernels::launch_fp8_grouped_gemms(g1, g2, buf, l, how, sms, stream);
 
   // ---- combine over slots
   kernels::launch_combine(y.data_ptr(), buf, l, static_cast<int>(args.buf.rank), t, sms, stream);

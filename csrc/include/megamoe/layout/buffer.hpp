@@ -48,6 +48,8 @@ struct BufferLayout {
   int64_t expert_count_offset = 0;   // int32 [num_local_experts]: pool rows per local expert
   int64_t expert_offset_offset = 0;  // int32 [num_local_experts + 1]: first pool row of each expert
   int64_t tile_offset_offset = 0;    // int32 [num_local_experts + 1]: cumulative token blocks per expert
+  int64_t sched_offset = 0;          // int32 [1 + num_local_experts]: the fused FP8 GEMM's next work tile, then
+                                     // the L1 tiles finished per local expert (zeroed by routing each call)
   int64_t peer_ptrs_offset = 0;      // int64 [num_ranks]: every rank's buffer address (get_symm_buffer)
   int64_t signal_offset = 0;         // uint32 [2 phases][num_ranks] written by peers, then the call epoch
   int64_t x_offset = 0;              // uint8 [max_tokens_per_rank, token_bytes]
@@ -100,6 +102,7 @@ struct BufferLayout {
     l.expert_count_offset = take(l.num_local_experts * 4);
     l.expert_offset_offset = take((l.num_local_experts + 1) * 4);
     l.tile_offset_offset = take((l.num_local_experts + 1) * 4);
+    l.sched_offset = take((l.num_local_experts + 1) * 4);
     l.peer_ptrs_offset = take(num_ranks * 8);
     l.signal_offset = take((2 * num_ranks + 1) * 4);
     l.x_offset = take(max_tokens_per_rank * l.token_bytes);
@@ -124,7 +127,7 @@ struct BufferLayout {
 // Order of the fields returned by the `get_buffer_layout` op (megamoe/buffer.py reads them by name).
 #define MEGAMOE_BUFFER_LAYOUT_FIELDS(X)                                                        \
   X(total_bytes) X(error_offset) X(num_tokens_offset) X(expert_count_offset)                  \
-  X(expert_offset_offset) X(tile_offset_offset) X(peer_ptrs_offset) X(signal_offset) X(x_offset) \
+  X(expert_offset_offset) X(tile_offset_offset) X(sched_offset) X(peer_ptrs_offset) X(signal_offset) X(x_offset) \
   X(x_sf_offset) X(x_global_sf_offset) X(topk_idx_offset) X(topk_weights_offset)              \
   X(pool_src_offset) X(dispatch_x_offset) X(dispatch_sf_offset) X(dispatch_global_sf_offset)  \
   X(dispatch_weight_offset) X(pool_offset) X(pool_sf_offset) X(pool_global_sf_offset)                \
