@@ -26,7 +26,7 @@ constexpr int num_stages_for(int block_m) {
 }
 
 inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
-                                             int64_t intermediate) {
+                                             int64_t intermediate, int64_t num_ranks = 1) {
   // Expected rows per touched expert. NOTES: decode is weight-bound: a block_m larger than the rows an
   // expert gets only wastes MMA work, never bytes; prefill wants the widest tile (fewest weight
   // re-reads, best MMA efficiency), capped at 64 by the registers of two partial accumulators.
@@ -38,10 +38,12 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   // NOTES: one launch for L1 and L2 (L2 tiles start as soon as their expert's L1 tiles are stored, on SMs
   // that finished L1, instead of after L1's tail and a second launch ramp). H100 A/B (2026-11-23, fused
   // schedule without prefetch hints vs two launches): V4-Flash T=16 / 512 / 2048 -2.4 / -5.1 / -2.6 %,
-  // V4-Pro T=1 / 16 / 512 / 2048 -3.5 / -1.8 / -1.3 / -16.6 %, V4-Flash T=1 +1.4 %. MEGAMOE_FP8_FUSED=0
-  // selects the two launches (read per call: tests compare both in one process).
+  // V4-Pro T=1 / 16 / 512 / 2048 -3.5 / -1.8 / -1.3 / -16.6 %, V4-Flash T=1 +1.4 %. On one rank only
+  // until it has run with peers (no multi-GPU machine since it was written): MEGAMOE_FP8_FUSED=1 selects it
+  // with peers too, =0 the two launches everywhere (read per call: tests compare both in one process).
   const char* fused_env = std::getenv("MEGAMOE_FP8_FUSED");
-  c.fused = !(fused_env != nullptr && fused_env[0] == '0');
+  const bool forced = fused_env != nullptr && fused_env[0] == '1', off = fused_env != nullptr && fused_env[0] == '0';
+  c.fused = !off && (num_ranks == 1 || forced);
   if (std::getenv("MEGAMOE_PRINT_CONFIGS") != nullptr) {
     static std::mutex mu;
     static std::set<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> printed;
