@@ -1,0 +1,40 @@
+"""The Python models in docs/models/ (protocol and bit-level checks of kernel designs) run on the CPU: a change
+that breaks a model's claim fails here, not only when someone reruns the script."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import random
+
+MODELS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "models"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, MODELS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fused_fp8_protocol_random_configurations():
+    """No deadlock, every tile consumed once, L2 token parts only after their expert's L1 tiles (40 random
+    configurations with late CTAs, the script's own generator)."""
+    model = load("fused_fp8_protocol")
+    rnd = random.Random(0)
+    for s in range(40):
+        e = rnd.randint(1, 6)
+        blocks = [rnd.randint(0, 3) for _ in range(e)]
+        if sum(blocks) == 0:
+            blocks[0] = 1
+        model.run(s, num_experts=e, blocks=blocks, nb1=rnd.randint(1, 4), nb2=rnd.randint(1, 3),
+                  kb1=rnd.randint(1, 9), kb2=rnd.randint(1, 9), stages=rnd.randint(2, 6), ctas=rnd.randint(1, 12),
+                  grid_delay=rnd.randint(0, 40))
+
+
+def test_mxfp4_fp8_decode_bytes_and_fragments():
+    """The planned MXFP4-on-FP8-wgmma decode: kernel-layout words decoded by PRMT tables give the E4M3 byte of
+    e2m1 x 2^-d for every code, position and shift, and the fragment / token-tile K permutation computes the
+    natural-order dot products exactly."""
+    model = load("mxfp4_fp8_decode")
+    model.check_decode(num_words=4000)
+    model.check_fragments()
