@@ -86,6 +86,30 @@ def decode_word(word: np.ndarray, t0: int, t1: int) -> tuple[np.ndarray, np.ndar
     return lo.astype(np.uint32), hi.astype(np.uint32)
 
 
+def decode_word_natural(word: np.ndarray, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray]:
+    """The same decode from today's kernel layout (checkpoint packing: nibble i = K element i of the word,
+    sign in its bit 3), 10 instructions per 8 weights: the magnitudes as above; the signs by PRMT in
+    sign-replicate mode (selector nibble 8 | byte: 0xFF where that byte's bit 7 is set) over {word, word << 4}
+    (bits 3 of the low nibbles become bits 7), masked into the magnitude bytes by one LOP3.
+        x4 = word << 4
+        lo = prmt(t0, t1, word & 0x7777)         | (prmt(word, x4, 0x9D8C) & 0x80808080)
+        hi = prmt(t0, t1, (word >> 16) & 0x7777) | (prmt(word, x4, 0xBFAE) & 0x80808080)"""
+    word = np.asarray(word, np.uint32)
+    x4 = (word.astype(np.uint64) << np.uint64(4)).astype(np.uint32)
+    lo = prmt(t0, t1, word & np.uint32(0x7777)) | (prmt(word, x4, 0x9D8C) & np.uint32(0x80808080))
+    hi = prmt(t0, t1, (word >> np.uint32(16)) & np.uint32(0x7777)) | (prmt(word, x4, 0xBFAE) & np.uint32(0x80808080))
+    return lo.astype(np.uint32), hi.astype(np.uint32)
+
+
+def pack_natural(codes: np.ndarray) -> np.ndarray:
+    """Checkpoint packing of 8 consecutive K: code i in nibble i (byte i / 2, low nibble first)."""
+    codes = codes.astype(np.uint32)
+    word = np.zeros(codes.shape[:-1], np.uint32)
+    for i in range(8):
+        word |= codes[..., i] << np.uint32(4 * i)
+    return word
+
+
 def word_bytes(w: np.ndarray) -> np.ndarray:
     return np.stack([(w >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)], -1)
 
@@ -102,10 +126,11 @@ def check_decode(num_words: int = 20000, seed: int = 0) -> None:
     values = np.where(codes & 8, -1.0, 1.0) * np.array(E2M1_MAGNITUDES)[codes & 7]
     for d in range(MAX_TABLE_SHIFT + 3):
         t0, t1 = fold_table(d)
-        lo, hi = decode_word(words, t0, t1)
-        got = np.concatenate([word_bytes(lo), word_bytes(hi)], -1)
         want = e4m3_bytes(values * 2.0 ** -min(d, MAX_TABLE_SHIFT + 1))
-        assert np.array_equal(got, want), f"decode differs at d={d}"
+        for decode, packed in ((decode_word, words), (decode_word_natural, pack_natural(codes))):
+            lo, hi = decode(packed, t0, t1)
+            got = np.concatenate([word_bytes(lo), word_bytes(hi)], -1)
+            assert np.array_equal(got, want), f"{decode.__name__} differs at d={d}"
     # exact for d <= 8 (E2M1 x 2^-d is an E4M3 value down to 0.5 x 2^-8 = 2^-9)
     for d in range(9):
         t0, t1 = fold_table(d)
@@ -114,10 +139,11 @@ def check_decode(num_words: int = 20000, seed: int = 0) -> None:
         assert np.array_equal(got.view(torch.float8_e4m3fn).float().numpy(), (values * 2.0 ** -d).astype(np.float32))
 
 
-def fragment_dot(words: np.ndarray, tables: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+def fragment_dot(words: np.ndarray, tables: np.ndarray, tokens: np.ndarray, decode=None) -> np.ndarray:
     """One 64-row slice x one 128-K block as the kernel would compute it: words [64 rows, 4 q, 4 s] (the row's
     16-byte chunks), tables [64, 4 q, 2] (per row and sub-block), tokens [N, 128] already folded (float values
     of E4M3). Emulates the A registers of each thread, the permuted token tile B and the 4 k32 steps."""
+    decode = decode or decode_word
     n = tokens.shape[0]
     out = np.zeros((64, n))
     for s in range(4):
@@ -129,7 +155,7 @@ def fragment_dot(words: np.ndarray, tables: np.ndarray, tokens: np.ndarray) -> n
                 r = 16 * warp + g
                 regs = []
                 for row in (r, r + 8):
-                    lo, hi = decode_word(words[row, q, s], *tables[row, q])
+                    lo, hi = decode(words[row, q, s], *tables[row, q])
                     regs.append((lo, hi))
                 (lo_r, hi_r), (lo_r8, hi_r8) = regs
                 for reg, row, col0 in ((lo_r, r, 4 * q), (lo_r8, r + 8, 4 * q), (hi_r, r, 16 + 4 * q),
@@ -153,13 +179,17 @@ def check_fragments(seed: int = 1) -> None:
     words = pack_word(codes.reshape(64, 4, 4, 8))  # [row, q, s] words of natural K 32q + 8s + 0..7
     tables = np.array([[fold_table(int(d)) for d in row] for row in shifts], dtype=np.uint64)
     tokens = torch.randn(8, 128).to(torch.float8_e4m3fn).double().numpy()
-    got = fragment_dot(words, tables, tokens)
     weights = np.where(codes & 8, -1.0, 1.0) * np.array(E2M1_MAGNITUDES)[codes & 7]
     weights = weights * 2.0 ** -np.repeat(shifts, 32, axis=1)
+    got = fragment_dot(words, tables, tokens)
     assert np.array_equal(got, weights @ tokens.T), "fragment order"
+    natural = pack_natural(codes.reshape(64, 4, 4, 8))
+    got = fragment_dot(natural, tables, tokens, decode_word_natural)
+    assert np.array_equal(got, weights @ tokens.T), "fragment order (natural layout)"
 
 
 if __name__ == "__main__":
     check_decode()
     check_fragments()
-    print("decode: E4M3 bytes of e2m1 x 2^-d for every code, position and shift 0..18; fragments: exact dot products")
+    print("decode (both layouts): E4M3 bytes of e2m1 x 2^-d for every code, position and shift 0..18; "
+          "fragments: exact dot products")
