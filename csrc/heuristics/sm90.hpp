@@ -36,9 +36,9 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   c.block_m = rows <= 16 ? 16 : rows <= 32 ? 32 : 64;
   c.num_stages = num_stages_for(c.block_m);
   // NOTES: one launch for L1 and L2 (L2 tiles start as soon as their expert's L1 tiles are stored, on SMs
-  // that finished L1, instead of after L1's tail and a second launch ramp). H100 A/B (2026-11-23, fused
-  // schedule without prefetch hints vs two launches): V4-Flash T=16 / 512 / 2048 -2.4 / -5.1 / -2.6 %,
-  // V4-Pro T=1 / 16 / 512 / 2048 -3.5 / -1.8 / -1.3 / -16.6 %, V4-Flash T=1 +1.4 %. On one rank only
+  // that finished L1, instead of after L1's tail and a second launch ramp). H100 A/B of this kernel vs two
+  // launches (2026-11-23, docs/bench/h100-2026-11-23b-ab-fused-v2*.json): V4-Pro T=1 / 2048 / 4096 -4.3 / -16 /
+  // -11 %, V4-Flash T=512 / 4096 -5.6 / -4.7 %, V4-Flash T=1 and 8192 within 1 % (second run). On one rank only
   // until it has run with peers (no multi-GPU machine since it was written): MEGAMOE_FP8_FUSED=1 selects it
   // with peers too, =0 the two launches everywhere (read per call: tests compare both in one process).
   const char* fused_env = std::getenv("MEGAMOE_FP8_FUSED");
