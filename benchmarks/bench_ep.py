@@ -188,7 +188,7 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
     peer = NcclPipeline(cfg, l1, l2, cap, device, weight_format, act_format)
     log(f"{model} {weight_format} weights, {act_format} activations: {bytes_per_expert / 1e6:.1f} MB per expert")
     log(f"{'model':9} {'T/rank':>6} {'us':>9} {'floor':>8} {'t/floor':>7} {'peer us':>9} {'speedup':>7} "
-        f"{'NVLink GB/s':>11} {'rel diff':>8}")
+        f"{'NVLink GB/s':>11} {'rel diff':>8}" + (f" {'alt us':>9} {'alt/us':>6} {'alt diff':>8}" if args.alt_env else ""))
     rows = []
     for t in tokens:
         g = torch.Generator().manual_seed(1000 * t + rank)
@@ -200,9 +200,21 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
         us = timed(fused, args.iters)
         if args.profile:
             profile_kernels(fused, f"{model} {weight_format}:{act_format} T/rank={t}")
+        alt_us = alt_diff = None
+        if args.alt_env:  # the same op with a kernel switch set (read per call), timed in this run: an A/B
+            var, value = args.alt_env.split("=", 1)
+            saved = os.environ.get(var)
+            os.environ[var] = value
+            try:
+                alt_us = timed(fused, args.iters)
+                y_alt = y.clone()
+            finally:
+                os.environ.pop(var) if saved is None else os.environ.__setitem__(var, saved)
         peer_us = timed(lambda: peer(x, idx, w), args.iters)
         y_peer = peer(x, idx, w)
         fused()
+        if alt_us is not None:
+            alt_diff = (y_alt.float() - y.float()).abs().max().item()
         diff = ((y.float() - y_peer.float()).norm() / y_peer.float().norm().clamp_min(1e-30)).item()
         # Floor of the slowest rank: its touched local experts' weight bytes, its FLOPs.
         all_idx = [torch.empty_like(idx) for _ in range(world)]
@@ -224,8 +236,12 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
                          time_over_floor=round(us / floor.item(), 3), peer="nccl_all_to_all+megamoe.moe",
                          peer_us=round(peer_us, 2), speedup=round(peer_us / us, 3), tflops=None,
                          gbps=round(gbps, 1), rel_diff_vs_peer=round(diff, 5)))
+        alt = ""
+        if alt_us is not None:
+            rows[-1].update(alt_env=args.alt_env, alt_us=round(alt_us, 2), alt_max_abs_diff=alt_diff)
+            alt = f" {alt_us:9.1f} {alt_us / us:6.3f} {alt_diff:8.1e}"
         log(f"{model:9} {t:6d} {us:9.1f} {floor.item():8.1f} {us / floor.item():7.2f} {peer_us:9.1f} "
-            f"{peer_us / us:7.2f} {gbps:11.1f} {diff:8.1e}")
+            f"{peer_us / us:7.2f} {gbps:11.1f} {diff:8.1e}{alt}")
     return rows
 
 
@@ -237,6 +253,9 @@ def main():
                         help="comma list of weight_format[:act_format] (fp8, mxfp4, nvfp4; act fp8 or fp4)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--alt-env", default=None,
+                        help="VAR=VALUE: also time the fused op with this kernel switch set, in the same run "
+                             "(e.g. MEGAMOE_FP8_FUSED=1); rows get alt_us and the largest difference of outputs")
     parser.add_argument("--profile", action="store_true",
                         help="also print the fused op's per-kernel GPU times (torch.profiler, rank 0)")
     parser.add_argument("--plot", default=None, help="PNG of the results (with --from-json: no GPU run)")

@@ -4,6 +4,9 @@
 #   fp4: the FP4 GPU tests (with the sweep and the exactness test), then the FP4 probe benchmark.
 #   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below).
 #   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py).
+#   ep: expert parallelism on every GPU of the machine: tests/test_ep.py (EP_FORMATS, default fp8:fp8) then bench_ep.py
+#   (V4-Flash, --formats from the weight part of EP_FORMATS), once per setting in EP_SETTINGS (space-separated, each
+#   "-" or a comma list of VAR=VALUE, e.g. "- MEGAMOE_FP8_FUSED=1"; EP_TESTS=0 / EP_BENCH=0 skip a step; EP_BENCH_ARGS, e.g. "--alt-env MEGAMOE_FP8_FUSED=1", go to bench_ep.py); logs in ep.log, rows in ep-<setting>.json.
 #   Modes combine with commas (e.g. fp4,bench); BENCH_FORMATS picks bench_moe's --formats (default fp8).
 set -uo pipefail
 what=${1:-all}
@@ -53,6 +56,23 @@ if has ncu; then
     ncu -i "$rep.ncu-rep" --page details >"$rep-details.txt" 2>&1
     ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep-sass.csv" 2>&1
     grep -E "Duration|Issued Warp|Eligible|Active Warps|No Eligible|DRAM Throughput|Compute \(SM\)" "$rep-details.txt"
+  done
+fi
+if has ep; then
+  ngpu=$(nvidia-smi -L | wc -l)
+  formats=${EP_FORMATS:-fp8:fp8}
+  for setting in ${EP_SETTINGS:--}; do
+    envs=(); [ "$setting" != - ] && IFS=, read -ra envs <<<"$setting"
+    tag=${setting//[^A-Za-z0-9]/_}
+    if [ "${EP_TESTS:-1}" = 1 ]; then
+    echo "== EP=$ngpu setting $setting: tests/test_ep.py ($formats)" | tee -a "$out/ep.log"
+    env "${envs[@]}" MEGAMOE_EP_RANKS=$ngpu MEGAMOE_EP_FORMATS=$formats MEGAMOE_EP_SHAPES=${EP_SHAPES:-small,flash} \
+      python3 -m pytest tests/test_ep.py -q -p no:cacheprovider 2>&1 | tail -5 | tee -a "$out/ep.log"
+    fi
+    [ "${EP_BENCH:-1}" = 1 ] || continue
+    echo "== EP=$ngpu setting $setting: bench_ep.py" | tee -a "$out/ep.log"
+    env "${envs[@]}" python3 -m torch.distributed.run --nproc-per-node $ngpu benchmarks/bench_ep.py \
+      --formats "${EP_BENCH_FORMATS:-fp8}" ${EP_BENCH_ARGS:-} --json "$out/ep-$tag.json" 2>&1 | grep -v "^W\|^\*" | tee -a "$out/ep.log"
   done
 fi
 if has bench; then
