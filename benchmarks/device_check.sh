@@ -5,7 +5,7 @@
 #   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below).
 #   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py).
 #   ep: expert parallelism on every GPU of the machine: tests/test_ep.py (EP_FORMATS, default fp8:fp8) then bench_ep.py
-#   (V4-Flash, --formats from the weight part of EP_FORMATS), once per setting in EP_SETTINGS (space-separated, each
+#   (V4-Flash, --formats EP_BENCH_FORMATS, default fp8), once per setting in EP_SETTINGS (space-separated, each
 #   "-" or a comma list of VAR=VALUE, e.g. "- MEGAMOE_FP8_FUSED=1"; EP_TESTS=0 / EP_BENCH=0 skip a step; EP_BENCH_ARGS, e.g. "--alt-env MEGAMOE_FP8_FUSED=1", go to bench_ep.py); logs in ep.log, rows in ep-<setting>.json.
 #   Modes combine with commas (e.g. fp4,bench); BENCH_FORMATS picks bench_moe's --formats (default fp8).
 set -uo pipefail
