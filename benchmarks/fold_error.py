@@ -14,9 +14,12 @@ This script measures, on the CPU, what the folds change against the emulating re
 kernels must match within 1e-2), by running the reference with the folded values in place of the exact ones:
   weights   -- MXFP4 weights folded per (row, 128-K block); activations exact
   both      -- weights and both activation quantizations (tokens, L1 outputs) folded per (row, 128-K block)
-and, as the scale, each format's own error vs BF16 math. Two weight families: the reference's random layer,
-and the same layer with UE8M0 scales spread over 2^0..2^(spread) within each 128-K block (--spread), the
-worst case for the fold. Nothing here runs a kernel.
+and, as the scale, each format's own error vs BF16 math. Three families: the reference's random layer; the
+same layer with UE8M0 scales spread over 2^0..2^(spread) within each 128-K block (--spread), the worst case
+for the weight fold; and the random layer with outlier activation channels (--outlier-fraction of the hidden
+channels, the same for every token as in LLM activations, scaled by --outlier-scale), the worst case for the
+token fold: a 128-K block holding an outlier channel folds its other 32-blocks by about log2(scale).
+Nothing here runs a kernel.
 """
 from __future__ import annotations
 
@@ -86,20 +89,28 @@ def run(layer: dict, x, idx, w, fold_w: bool, fold_act: bool) -> torch.Tensor:
 def main():
     ap = layer_arguments()
     ap.add_argument("--spread", type=int, default=12, help="largest exponent drop in the spread-scale family")
+    ap.add_argument("--outlier-fraction", type=float, default=0.01, help="share of hidden channels that are outliers")
+    ap.add_argument("--outlier-scale", type=float, default=100.0, help="their magnitude relative to the others")
     args = ap.parse_args()
     e, h, i, k, t = args.experts, args.hidden, args.intermediate, args.top_k, args.tokens
     print(f"E={e} H={h} I={i} top-k={k} T={t}, {args.seeds} seeds, CPU; errors relative to the emulating reference")
     rows = []
-    for family in ("random", f"spread 0..{args.spread}"):
+    outliers = f"outlier channels ({args.outlier_fraction:.1%} x {args.outlier_scale:g})"
+    for family in ("random", f"spread 0..{args.spread}", outliers):
         errs = {"weights": [], "both": [], "format vs bf16": []}
         for seed in range(args.seeds):
             layer = reference.make_random_layer(e, h, i, "mxfp4", seed=seed)
-            if family != "random":
+            if family.startswith("spread"):
                 gen = torch.Generator().manual_seed(seed + 300)
                 layer["w13_sf"] = spread_scales(layer["w13_sf"], args.spread, gen)
                 layer["w2_sf"] = spread_scales(layer["w2_sf"], args.spread, gen)
             idx, w = reference.make_random_routing(t, e, k, seed=seed + 100)
-            x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 200)).to(torch.bfloat16)
+            x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 200))
+            if family == outliers:
+                gen = torch.Generator().manual_seed(seed + 400)
+                channels = torch.randperm(h, generator=gen)[:max(1, round(args.outlier_fraction * h))]
+                x[:, channels] *= args.outlier_scale
+            x = x.to(torch.bfloat16)
             ref = run(layer, x, idx, w, False, False)
             errs["weights"].append(rel_err(run(layer, x, idx, w, True, False), ref))
             errs["both"].append(rel_err(run(layer, x, idx, w, True, True), ref))
