@@ -56,6 +56,13 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   return c;
 }
 
+// MXFP4 weights on FP8 wgmmas (sm90_fp4_grouped_gemm.cuh, kFP8Mma) instead of the BF16 decode. NOTES: opt-in
+// (MEGAMOE_MXFP4_FP8MMA=1, read per call) until it has run on a GPU and been measured against the BF16 path.
+inline bool choose_mxfp4_fp8_mma() {
+  const char* env = std::getenv("MEGAMOE_MXFP4_FP8MMA");
+  return env != nullptr && env[0] == '1';
+}
+
 // ------------------------------------------------------------------------------------------------
 // FP4 grouped GEMM (sm90_fp4_grouped_gemm): weights decoded on chip to bf16, 256 K per stage.
 // ------------------------------------------------------------------------------------------------
@@ -74,8 +81,8 @@ constexpr int fp4_stage_bytes(int block_m, bool act_fp4) {
 // tile costs a weight stage, 5 -> 4); two otherwise, where a third would cost a stage of 3-4.
 constexpr int fp4_num_bf_tiles(int block_m) { return block_m == 16 ? 3 : 2; }
 // Fixed part: the bf16 token tiles (block_m x 256 K x 2 bytes each; the epilogue reuses them), barriers,
-// alignment slack.
-constexpr int fp4_fixed_bytes(int block_m) { return fp4_num_bf_tiles(block_m) * block_m * 512 + 1024 + 256; }
+// the FP8-wgmma path's fold tables, alignment slack.
+constexpr int fp4_fixed_bytes(int block_m) { return fp4_num_bf_tiles(block_m) * block_m * 512 + 1024 + 256 + 256; }
 // Deepest pipeline in the 227 KB a block may use: block_m 16: 4 stages (E4M3 tokens) or 5 (E2M1 tokens);
 // 32: 4; 64: 3.
 constexpr int fp4_num_stages_for(int block_m, bool act_fp4) {

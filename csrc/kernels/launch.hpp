@@ -69,6 +69,7 @@ struct Fp4GroupedGemmArgs {
   ActRecipe recipe;
   float activation_clamp;  // < 0: no clamp
   bool fast_math;
+  bool fp8_mma = false;  // MXFP4 weights decoded to E4M3 for FP8 wgmmas (else to BF16)
 };
 void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
                              int block_m, int num_sms, cudaStream_t stream);

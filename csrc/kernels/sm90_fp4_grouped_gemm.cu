@@ -25,11 +25,15 @@ void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, co
   p.fast_math = args.fast_math;
   p.wide_scale_copies = args.k % 256 == 0 && reinterpret_cast<uintptr_t>(args.weights_sf) % 16 == 0;
   const bool nv = args.weight_format == WeightFormat::kNVFP4;
+  if (nv && args.fp8_mma)
+    throw std::runtime_error("megamoe: the FP8-wgmma FP4 path takes MXFP4 weights only (NVFP4 scales are not powers of two)");
   if (args.is_l1) {
     if (nv) fp4::launch_l1_nvfp4(args, p, block_m, num_sms, stream);
+    else if (args.fp8_mma) fp4::launch_l1_mxfp4_fp8mma(args, p, block_m, num_sms, stream);
     else fp4::launch_l1_mxfp4(args, p, block_m, num_sms, stream);
   } else {
     if (nv) fp4::launch_l2_nvfp4(args, p, block_m, num_sms, stream);
+    else if (args.fp8_mma) fp4::launch_l2_mxfp4_fp8mma(args, p, block_m, num_sms, stream);
     else fp4::launch_l2_mxfp4(args, p, block_m, num_sms, stream);
   }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());

@@ -37,6 +37,15 @@
 // A = w x 2^-32 exactly, and tokens are converted as B = x x 2^32, so A.B is the true product.
 // Limits of that split: MXFP4 weight scales up to 2^33 and activations up to 2^95 (real weights have
 // scales near 2^-7, activations are bf16 model values).
+//
+// FP8-wgmma path (kFP8Mma, MXFP4 weights; MEGAMOE_MXFP4_FP8MMA=1 while unmeasured): per row and 128-K group,
+// E = the largest of its four UE8M0 scales; each 32-K sub-block's weights are decoded to the E4M3 bytes of
+// e2m1 x 2^-(E - e_j) by one PRMT table lookup per 4 weights (exact while E - e_j <= 8, rounded to nearest
+// even below that), the converters fold the tokens the same way into an E4M3 tile (x x 2^-(T - t_j), T the
+// token's largest scale of the group), four k32 wgmmas per group go into a partial accumulator, and the
+// promotion multiplies it by 2^(E - 127) x 2^(T - 127). Half the wgmma instructions of the BF16 path at twice
+// the tensor rate, 1.25 decode instructions per weight instead of ~2.5. Decode and K order: bit model
+// docs/models/mxfp4_fp8_decode.py; error of the fold: benchmarks/fold_error.py (docs/perf-notes.md).
 #pragma once
 
 #include <cuda.h>
@@ -104,7 +113,8 @@ struct Smem {
   static constexpr int kTileBF = kBlockM * kBlockK * 2;  // one bf16 token tile
   template <int kStages>
   static constexpr int bytes() {
-    return 1024 /* alignment slack */ + kStages * kStage + kNumBfTiles * kTileBF + 256 /* barriers */;
+    return 1024 /* alignment slack */ + kStages * kStage + kNumBfTiles * kTileBF + 256 /* barriers */ +
+           256 /* FP8-wgmma path: fold tables */;
   }
 };
 
@@ -258,7 +268,90 @@ __device__ __forceinline__ void fence_fragment(uint32_t (&a)[8][4]) {
     for (int r = 0; r < 4; ++r) ptx::fence_operand(a[s][r]);
 }
 
-template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe>
+// ------------------------------------------------------------------------------------------------
+// FP8-wgmma path (file comment)
+// ------------------------------------------------------------------------------------------------
+constexpr int kNumFoldTables = 18;  // shifts 0..17 (every magnitude rounds to 0 in E4M3 from 13 on)
+
+// E4M3 bytes of the 8 E2M1 magnitudes x 2^-d, as the two PRMT sources (magnitudes 0-3, 4-7).
+__device__ __forceinline__ uint2 make_fold_table(int d) {
+  constexpr float kMagnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float f = __uint_as_float(uint32_t(127 - d) << 23);  // 2^-d, exact
+  uint32_t w[2] = {0, 0};
+#pragma unroll
+  for (int m = 0; m < 8; ++m)
+    w[m / 4] |= uint32_t(__nv_cvt_float_to_fp8(kMagnitudes[m] * f, __NV_SATFINITE, __NV_E4M3)) << (8 * (m % 4));
+  return make_uint2(w[0], w[1]);
+}
+
+// 8 E2M1 codes in checkpoint packing (nibble i = K element i, sign in its bit 3) -> E4M3 bytes of elements
+// 0-3 (lo) and 4-7 (hi), magnitudes through the table t; the signs by PRMT's sign-replicate mode (selector
+// nibble 8 | byte: 0xFF where that byte's bit 7 is set) over {w, w << 4}, whose bytes carry the odd elements'
+// signs in bit 7 and the even elements' in bit 7 after the shift.
+__device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t w, uint2 t, uint32_t& lo, uint32_t& hi) {
+  const uint32_t x4 = w << 4;
+  lo = ptx::prmt(t.x, t.y, w & 0x7777u) | (ptx::prmt(w, x4, 0x9D8Cu) & 0x80808080u);
+  hi = ptx::prmt(t.x, t.y, (w >> 16) & 0x7777u) | (ptx::prmt(w, x4, 0xBFAEu) & 0x80808080u);
+}
+
+// UE8M0 byte -> 2^(b - 127) (0: 2^-127, a float subnormal; 255: NaN).
+__device__ __forceinline__ float ue8m0_float(uint32_t b) {
+  return __uint_as_float(b == 255 ? 0x7FC00000u : b == 0 ? 0x00400000u : b << 23);
+}
+
+// Four E4M3 values x f (a power of two, so the product rounds once, to nearest even) -> E4M3.
+__device__ __forceinline__ uint32_t fold_e4m3x4(uint32_t v, float f) {
+  const float2 a = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xFFFF), __NV_E4M3)));
+  const float2 b = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v >> 16), __NV_E4M3)));
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a.x * f, a.y * f), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(b.x * f, b.y * f), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
+// One token unit of the FP8-wgmma path: token n, 128-K group g, quarter q (32 K) -> folded E4M3 bytes in the
+// wgmma K order (k32 step s: column 4q + i <- K 32q + 8s + i, column 16 + 4q + i <- 32q + 8s + 4 + i) into the
+// 128B-swizzled K-major tile [2 groups][kBlockM rows][128 bytes]. The four lanes q of (n, g) agree on T (the
+// largest of their scales; all 32 lanes shuffle, `active` only gates the stores); lane q = 0 stores 2^(T - 127)
+// in factors[g][n].
+template <int kBlockM, ActRecipe kRecipe>
+__device__ __forceinline__ void fold_token_unit(const uint8_t* raw, const uint8_t* sfa, uint8_t* tile8, float* factors,
+                                                const uint2* tables, int n, int g, int q, bool active) {
+  const uint32_t t = sfa[(4 * g + q) * (kBlockM + 4) + n];
+  uint32_t tmax = max(t, __shfl_xor_sync(0xffffffffu, t, 1));
+  tmax = max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+  if (!active) return;
+  const int d = static_cast<int>(tmax - t);
+  const int sw = n % 8;
+  uint8_t* row = tile8 + (g * kBlockM + n) * 128 + 4 * q;
+  auto store = [&](int chunk, uint32_t v) { *reinterpret_cast<uint32_t*>(row + ((chunk ^ sw) << 4)) = v; };
+  if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
+    const uint8_t* src = raw + g * kBlockM * 128 + n * 128;
+    const uint4 lo = *reinterpret_cast<const uint4*>(src + (((2 * q) ^ sw) << 4));
+    const uint4 hi = *reinterpret_cast<const uint4*>(src + (((2 * q + 1) ^ sw) << 4));
+    const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};  // word m: K 32q + 4m .. + 3
+    const float f = __uint_as_float(d >= 127 ? 0u : uint32_t(127 - d) << 23);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      store(2 * s, d == 0 ? w[2 * s] : fold_e4m3x4(w[2 * s], f));
+      store(2 * s + 1, d == 0 ? w[2 * s + 1] : fold_e4m3x4(w[2 * s + 1], f));
+    }
+  } else {
+    static_assert(kRecipe == ActRecipe::kMXFP4, "the FP8-wgmma path takes FP8 or MXFP4 tokens");
+    const uint4 raw4 = *reinterpret_cast<const uint4*>(raw + n * 128 + (((4 * g + q) ^ sw) << 4));
+    const uint32_t w[4] = {raw4.x, raw4.y, raw4.z, raw4.w};  // word s: K 32q + 8s .. + 7
+    const uint2 tab = tables[min(d, kNumFoldTables - 1)];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      uint32_t lo, hi;
+      e2m1x8_to_e4m3(w[s], tab, lo, hi);
+      store(2 * s, lo);
+      store(2 * s + 1, hi);
+    }
+  }
+  if (q == 0) factors[g * kBlockM + n] = ue8m0_float(tmax);
+}
+
+template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma>
 __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     sm90_fp4_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
                                  const __grid_constant__ CUtensorMap tmap_acts, Params p) {
@@ -276,6 +369,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   constexpr int kABlocks = kBlockK / kABlk;                       // token scale rows per stage
   constexpr int kWWords = kBlockK / kWBlk / 4;                    // weight scale words per row per stage
   static_assert(kBlockM % 16 == 0 && kBlockM <= 64, "token block must be 16, 32 or 64");
+  static_assert(!kFP8Mma || !kNV, "the FP8-wgmma path is for MXFP4 weights (NVFP4 scales are not powers of two)");
+  using MmaFP8 = ptx::WgmmaFP8RS<kBlockM>;
+  static_assert(MmaFP8::kNumRegs == kRegs, "one accumulator layout for both paths");
 
   extern __shared__ uint8_t smem_raw[];
   // Offset arithmetic on the __shared__ array (not an integer round trip) keeps the address space known to
@@ -289,6 +385,11 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   uint64_t* bf_empty = bf_full + kNumBfTiles;  // [kNumBfTiles] its wgmmas (and, after a tile's last stage, the epilogue) are done
   TileInfo* tile_infos = reinterpret_cast<TileInfo*>(bf_empty + kNumBfTiles);  // [kNumStages], see TileInfo
   static_assert((2 * kNumStages + 2 * kNumBfTiles) * 8 + kNumStages * sizeof(TileInfo) <= 256, "barrier area of Smem::bytes");
+  // FP8-wgmma path: the fold tables (after the barrier area) and, in each ring tile, the E4M3 token tile
+  // [2 groups][kBlockM][128 bytes] then the token factors float32 [2 groups][kBlockM].
+  uint2* fold_tables = reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(full) + 256);
+  static_assert(kNumFoldTables * 8 <= 256, "fold table area of Smem::bytes");
+  static_assert(2 * kBlockM * 128 + 2 * kBlockM * 4 <= S::kTileBF, "E4M3 token tile and factors in a ring tile");
   auto tile_a = [&](int s) { return stages + s * S::kStage; };
   auto tile_b = [&](int s) { return stages + s * S::kStage + S::kTileA; };
   auto tile_sw = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB; };
@@ -316,6 +417,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       ptx::mbarrier_init(&bf_empty[b], kNumConsumerThreads / 32);
     }
     ptx::fence_barrier_init();
+  }
+  if constexpr (kFP8Mma) {
+    if (threadIdx.x >= 32 && threadIdx.x < 32 + kNumFoldTables) fold_tables[threadIdx.x - 32] = make_fold_table(threadIdx.x - 32);
   }
   __syncthreads();
 
@@ -421,9 +525,14 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           ptx::mbarrier_wait(&full[stage], phase);
           if (kb == 0) row0 = tile_infos[stage].row0;
           for (int u = ctid; u < kBlockM * 8; u += kNumConverterWarps * 32) {
-            const int n = u / 8, g = (u / 4) % 2, uq = u % 4;
-            if (g < groups)
+            const int n = u / 8, g = (u / 4) % 2, uq = u % 4;  // uq = lane % 4: the quad of (n, g) is 4 lanes
+            if constexpr (kFP8Mma) {
+              fold_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage) + (row0 & 3), bf,
+                                                reinterpret_cast<float*>(bf + 2 * kBlockM * 128), fold_tables, n, g,
+                                                uq, g < groups);
+            } else if (g < groups) {
               convert_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage) + (row0 & 3), bf, n, g, uq);
+            }
           }
           ptx::fence_proxy_async_shared();  // generic-proxy writes -> the wgmmas (async proxy)
           ptx::mbarrier_arrive(&bf_full[b]);
@@ -472,6 +581,61 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       for (int ls = 0; ls < kSlices; ++ls)
 #pragma unroll
         for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc[ls][i]);
+      if constexpr (kFP8Mma) {
+#pragma unroll
+        for (int j = 0; j < 2 * kSlices; ++j) {
+          const int g = j / kSlices, ls = j % kSlices;
+          if (g >= groups) break;
+          // Every wgmma of the previous stage has finished (each group waits for its own below).
+          if (j == 0 && kb > 0) {
+            __syncwarp();
+            if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
+          }
+          const int row = (kSlices * consumer + ls) * 64 + quad_row;
+          const int unit = ((4 * g + q) ^ (row % 8)) << 4;  // rows r and r + 8 share the swizzle phase
+          const uint4 ra = *reinterpret_cast<const uint4*>(tile_a(stage) + row * 128 + unit);
+          const uint4 rb = *reinterpret_cast<const uint4*>(tile_a(stage) + (row + 8) * 128 + unit);
+          // This thread's 32 K are sub-block q of the group: its scale, and the rows' largest over the quad.
+          const uint32_t ea = tile_sw(stage)[row * kScaleWordsBytes + 4 * g + q];
+          const uint32_t eb = tile_sw(stage)[(row + 8) * kScaleWordsBytes + 4 * g + q];
+          uint32_t ma = max(ea, __shfl_xor_sync(0xffffffffu, ea, 1)), mb = max(eb, __shfl_xor_sync(0xffffffffu, eb, 1));
+          ma = max(ma, __shfl_xor_sync(0xffffffffu, ma, 2)), mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
+          const uint2 ta = fold_tables[min(int(ma - ea), kNumFoldTables - 1)];
+          const uint2 tb = fold_tables[min(int(mb - eb), kNumFoldTables - 1)];
+          const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
+          uint32_t a8[4][4];  // k32 step s: word s of the 16 bytes (K 32q + 8s .. + 7)
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            e2m1x8_to_e4m3(wa[s], ta, a8[s][0], a8[s][2]);
+            e2m1x8_to_e4m3(wb[s], tb, a8[s][1], a8[s][3]);
+          }
+          const float fa = ue8m0_float(ma), fb = ue8m0_float(mb);
+          const float* factors = reinterpret_cast<const float*>(bf + 2 * kBlockM * 128) + g * kBlockM;
+          float fc[kBlockM / 4];
+#pragma unroll
+          for (int jj = 0; jj < kBlockM / 4; ++jj) fc[jj] = factors[8 * (jj / 2) + 2 * q + (jj % 2)];
+          float part[kRegs];
+#pragma unroll
+          for (int s = 0; s < 4; ++s)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[s][r]);
+#pragma unroll
+          for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+          ptx::wgmma_fence();
+#pragma unroll
+          for (int s = 0; s < 4; ++s)
+            MmaFP8::run(part, a8[s], ptx::smem_desc_sw128(bf_desc_lo + (g * kBlockM * 128 + s * 32) / 16), s > 0);
+          ptx::wgmma_commit();
+          // NOTES: waiting here (not before the next decode) keeps the promotion's accumulator index a
+          // compile-time constant; the warp would wait before its next decode anyway (register-A wgmmas).
+          ptx::wgmma_wait<0>();
+#pragma unroll
+          for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+#pragma unroll
+          for (int i = 0; i < kRegs; ++i)
+            acc[ls][i] = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);
+        }
+      } else {
 #pragma unroll
       for (int j = 0; j < 2 * kSlices; ++j) {
         const int g = j / kSlices, ls = j % kSlices;
@@ -499,6 +663,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #pragma unroll
         for (int s = 0; s < 8; ++s) Mma::run(acc[ls], a[s], desc_b[s]);
         ptx::wgmma_commit();
+      }
       }
       // The stage's weights and weight scales are in registers now: the producer may refill it.
       __syncwarp();
@@ -667,30 +832,30 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 }
 
 // Host: one instantiation's launch (defined here, instantiated by the per-layer .cu files).
-template <int kBlockM, bool kIsL1, bool kNV, ActRecipe kRecipe>
+template <int kBlockM, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma>
 void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cudaStream_t stream) {
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
   constexpr int kStages = heuristics::fp4_num_stages_for(kBlockM, kActFP4);
   constexpr int kBytes = Smem<kBlockM, kActFP4>::template bytes<kStages>();
   static_assert(kBytes <= 227 * 1024, "FP4 grouped GEMM shared memory exceeds the 227 KB a block may use");
-  constexpr auto kernel = sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe>;
+  constexpr auto kernel = sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe, kFP8Mma>;
   allow_dynamic_smem<kernel>(kBytes);
   launch_pdl(kernel, dim3(num_sms), dim3(Roles<kBlockM>::kThreads), kBytes, stream, a.tmap_weights, a.tmap_acts, p);
 }
 
-// Every (block_m, activation recipe) of one layer and weight format.
-template <bool kIsL1, bool kNV>
+// Every (block_m, activation recipe) of one layer and weight format (kFP8Mma: MXFP4 on FP8 wgmmas).
+template <bool kIsL1, bool kNV, bool kFP8Mma = false>
 void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int num_sms, cudaStream_t stream) {
 #define MEGAMOE_FP4_LAUNCH(BM)                                                                        \
   case BM:                                                                                            \
     switch (a.recipe) {                                                                               \
       case ActRecipe::kFP8UE8M0Block32:                                                               \
-        return launch_config<BM, kIsL1, kNV, ActRecipe::kFP8UE8M0Block32>(a, p, num_sms, stream);     \
+        return launch_config<BM, kIsL1, kNV, ActRecipe::kFP8UE8M0Block32, kFP8Mma>(a, p, num_sms, stream);     \
       case ActRecipe::kMXFP4:                                                                         \
-        if constexpr (!kNV) return launch_config<BM, kIsL1, kNV, ActRecipe::kMXFP4>(a, p, num_sms, stream); \
+        if constexpr (!kNV) return launch_config<BM, kIsL1, kNV, ActRecipe::kMXFP4, kFP8Mma>(a, p, num_sms, stream); \
         break;                                                                                        \
       case ActRecipe::kNVFP4:                                                                         \
-        if constexpr (kNV) return launch_config<BM, kIsL1, kNV, ActRecipe::kNVFP4>(a, p, num_sms, stream); \
+        if constexpr (kNV && !kFP8Mma) return launch_config<BM, kIsL1, kNV, ActRecipe::kNVFP4, false>(a, p, num_sms, stream); \
         break;                                                                                        \
       default:                                                                                        \
         break;                                                                                        \

@@ -13,5 +13,9 @@ void launch_l1_mxfp4(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, 
 void launch_l1_nvfp4(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int num_sms, cudaStream_t stream);
 void launch_l2_mxfp4(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int num_sms, cudaStream_t stream);
 void launch_l2_nvfp4(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int num_sms, cudaStream_t stream);
+void launch_l1_mxfp4_fp8mma(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int num_sms,
+                            cudaStream_t stream);
+void launch_l2_mxfp4_fp8mma(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int num_sms,
+                            cudaStream_t stream);
 
 }  // namespace megamoe::kernels::fp4
