@@ -67,6 +67,7 @@ def test_mxfp4_fp8_mma_path(act_format, shape, num_tokens, monkeypatch):
     case = make_case(e, h, i, k, num_tokens, "mxfp4", act_format, device="cuda", seed=31 * num_tokens + e)
     if num_tokens > 100:
         skew_first_slot(case, e)
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "0")  # not inherited from the caller's environment
     bf16 = run_poisoned(case)
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
     y = run_poisoned(case)
@@ -105,6 +106,7 @@ def test_mxfp4_fp8_mma_wide_scale_spreads(act_format, monkeypatch):
     x[:, channels] *= 300
     case.x = x.to(torch.bfloat16)
     case.ref = case.reference()
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "0")  # not inherited from the caller's environment
     bf16 = run_poisoned(case)
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
     y = run_poisoned(case)
