@@ -154,6 +154,18 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_f
         run_case(layer, buf, name, counts, 100 + i, **kw)
         log(f"[{shape}] {name} (tokens per rank {counts}): bitwise equal to EP=1")
 
+    # FP8: each rank picks one launch for L1 + L2 or two by its own token count (heuristics/sm90.hpp), so ranks
+    # may differ: mixed modes, and two launches everywhere, give the same bits.
+    saved = os.environ.get("MEGAMOE_FP8_FUSED")
+    for i, (name, fused_here) in enumerate((("one launch on even ranks, two on odd", rank % 2 == 0),
+                                            ("two launches on every rank", False))):
+        os.environ["MEGAMOE_FP8_FUSED"] = "1" if fused_here else "0"
+        try:
+            run_case(layer, buf, name, uneven, 150 + i)
+        finally:
+            os.environ.pop("MEGAMOE_FP8_FUSED") if saved is None else os.environ.__setitem__("MEGAMOE_FP8_FUSED", saved)
+        log(f"[{shape}] {name} (tokens per rank {uneven}): bitwise equal to EP=1")
+
     # Against the emulating float reference as well (not only against EP=1).
     counts = [min(cap, 9 + r) for r in range(world)]
     x, idx, w = layer.batch(counts, 7, masked_fraction=0.2)

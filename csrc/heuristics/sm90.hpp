@@ -38,12 +38,14 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   // NOTES: one launch for L1 and L2 (L2 tiles start as soon as their expert's L1 tiles are stored, on SMs
   // that finished L1, instead of after L1's tail and a second launch ramp). H100 A/B of this kernel vs two
   // launches (2026-11-23, docs/bench/h100-2026-11-23b-ab-fused-v2*.json): V4-Pro T=1 / 2048 / 4096 -4.3 / -16 /
-  // -11 %, V4-Flash T=512 / 4096 -5.6 / -4.7 %, V4-Flash T=1 and 8192 within 1 % (second run). On one rank only
-  // until it has run with peers (no multi-GPU machine since it was written): MEGAMOE_FP8_FUSED=1 selects it
-  // with peers too, =0 the two launches everywhere (read per call: tests compare both in one process).
+  // -11 %, V4-Flash T=512 / 4096 -5.6 / -4.7 %, V4-Flash T=1 and 8192 within 1 % (second run). With peers
+  // (2xH200 EP=2, V4-Flash, bench_ep --alt-env, two runs, docs/bench/h200-2026-11-23-ep2-fused-ab*.json):
+  // 16-512 tokens per rank -5 %, 2048 -8 %, 1 within noise (+4.7 / -1.4 %), 8192 +2.2 / +5.0 %: there the
+  // two launches stay (num_tokens is this rank's count). MEGAMOE_FP8_FUSED=1 / =0 forces one launch / two
+  // everywhere (read per call: tests and bench_ep compare both in one process).
   const char* fused_env = std::getenv("MEGAMOE_FP8_FUSED");
   const bool forced = fused_env != nullptr && fused_env[0] == '1', off = fused_env != nullptr && fused_env[0] == '0';
-  c.fused = !off && (num_ranks == 1 || forced);
+  c.fused = forced || (!off && (num_ranks == 1 || num_tokens <= 2048));
   if (std::getenv("MEGAMOE_PRINT_CONFIGS") != nullptr) {
     static std::mutex mu;
     static std::set<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> printed;
