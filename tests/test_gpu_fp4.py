@@ -86,6 +86,37 @@ def spread_ue8m0(sf: torch.Tensor, spread: int, seed: int) -> torch.Tensor:
     return (sf.view(torch.uint8).to(torch.int32) - drop).clamp(1, 254).to(torch.uint8)
 
 
+def scale_byte_case(act_format, scale_byte):
+    """A small MXFP4 case whose expert 3 has one weight scale byte set (one gate row, second 32-K block), and
+    the tokens routed to that expert."""
+    case = make_case(8, 256, 384, 2, 64, "mxfp4", act_format, device="cuda", masked_fraction=0.0, seed=12)
+    layer = dict(case.layer)
+    w13_sf = layer["w13_sf"].clone()
+    w13_sf.view(torch.uint8)[3, 5, 1] = scale_byte
+    layer["w13_sf"] = w13_sf
+    case.layer = layer
+    case.l1 = megamoe.transform_weights(layer["w13"], w13_sf, None, weight_format="mxfp4", is_l1=True)
+    hit = (case.topk_idx == 3).any(dim=1)
+    assert hit.any() and (~hit).any()
+    return case, hit
+
+
+@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
+def test_mxfp4_fp8_mma_default(act_format, monkeypatch):
+    """Without the switch, MXFP4 weights take the FP8-wgmma path with MXFP4 tokens (w4a4) and the BF16 path
+    with FP8 tokens (w4a8). A weight scale byte of 161 (2^34) tells them apart: the FP8-wgmma path computes it
+    exactly, the BF16 path (past its range) poisons the expert's tokens with NaN. The default's bits equal
+    those of the path forced by the switch."""
+    monkeypatch.delenv("MEGAMOE_MXFP4_FP8MMA", raising=False)
+    case, hit = scale_byte_case(act_format, 161)
+    y = run_poisoned(case)
+    fp8_mma = act_format == "fp4"
+    assert bool(torch.isfinite(y[hit]).all()) == fp8_mma
+    assert rel_err(y[~hit], case.ref[~hit]) <= TOL
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1" if fp8_mma else "0")
+    assert torch.allclose(run_poisoned(case), y, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
 def test_mxfp4_fp8_mma_wide_scale_spreads(act_format, monkeypatch):
     """The fold's hard cases on the GPU: weight scales spread over 2^0..2^12 inside 128-K groups (sub-blocks
@@ -121,16 +152,8 @@ def test_mxfp4_fp8_mma_scale_range(act_format, scale_byte, monkeypatch):
     (2^33) stay exact: 161 and 200 match the reference (finite there); 255 (NaN) poisons exactly the tokens
     routed to that expert."""
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
-    case = make_case(8, 256, 384, 2, 64, "mxfp4", act_format, device="cuda", masked_fraction=0.0, seed=12)
-    layer = dict(case.layer)
-    w13_sf = layer["w13_sf"].clone()
-    w13_sf.view(torch.uint8)[3, 5, 1] = scale_byte  # expert 3, one gate row, second 32-K block
-    layer["w13_sf"] = w13_sf
-    case.layer = layer
-    case.l1 = megamoe.transform_weights(layer["w13"], w13_sf, None, weight_format="mxfp4", is_l1=True)
+    case, hit = scale_byte_case(act_format, scale_byte)
     y = run_poisoned(case)
-    hit = (case.topk_idx == 3).any(dim=1)
-    assert hit.any() and (~hit).any()
     if scale_byte == 255:
         assert not torch.isfinite(y[hit]).all(dim=1).any(), "a token routed to the NaN-scaled expert came out finite"
         assert rel_err(y[~hit], case.ref[~hit]) <= TOL
@@ -233,18 +256,13 @@ def test_nan_activation_is_never_silent(weight_format, act_format, clamp):
 
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
 @pytest.mark.parametrize("scale_byte", [161, 200, 254, 255])
-def test_mxfp4_scale_bytes_past_bf16_range_are_never_silent(act_format, scale_byte):
-    """UE8M0 bytes the decoder's fast path does not cover (factor past bf16, or 255 = NaN) poison exactly the
-    tokens routed to that expert; every other token still matches the reference."""
-    case = make_case(8, 256, 384, 2, 64, "mxfp4", act_format, device="cuda", masked_fraction=0.0, seed=12)
-    layer = dict(case.layer)
-    w13_sf = layer["w13_sf"].clone()
-    w13_sf.view(torch.uint8)[3, 5, 1] = scale_byte  # expert 3, one gate row, second 32-K block
-    layer["w13_sf"] = w13_sf
-    case.l1 = megamoe.transform_weights(layer["w13"], w13_sf, None, weight_format="mxfp4", is_l1=True)
+def test_mxfp4_scale_bytes_past_bf16_range_are_never_silent(act_format, scale_byte, monkeypatch):
+    """BF16 path: UE8M0 bytes the decoder's fast path does not cover (factor past bf16, or 255 = NaN) poison
+    exactly the tokens routed to that expert; every other token still matches the reference. (The FP8-wgmma
+    path, the default with MXFP4 tokens, computes 161 and 200 exactly: test_mxfp4_fp8_mma_scale_range.)"""
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "0")
+    case, hit = scale_byte_case(act_format, scale_byte)
     y = run_poisoned(case)
-    hit = (case.topk_idx == 3).any(dim=1)
-    assert hit.any() and (~hit).any()
     assert not torch.isfinite(y[hit]).all(dim=1).any(), "a token routed to the poisoned expert came out finite"
     assert rel_err(y[~hit], case.ref[~hit]) <= TOL
 

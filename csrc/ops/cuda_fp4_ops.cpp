@@ -80,7 +80,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g1.recipe = recipe;
   g1.activation_clamp = clamp;
   g1.fast_math = fast_math;
-  g1.fp8_mma = format == WeightFormat::kMXFP4 && heuristics::choose_mxfp4_fp8_mma();
+  g1.fp8_mma = format == WeightFormat::kMXFP4 && heuristics::choose_mxfp4_fp8_mma(recipe == ActRecipe::kMXFP4);
   kernels::launch_fp4_grouped_gemm(g1, buf, l, cfg.block_m, sms, stream);
   if (nv_acts) kernels::launch_nvfp4_requant(g1.scratch, buf, l, static_cast<int>(scratch.size(0)), sms, stream);
 
