@@ -58,9 +58,9 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   return c;
 }
 
-// MXFP4 weights on FP8 wgmmas (sm90_fp4_grouped_gemm.cuh, kFP8Mma) instead of the BF16 decode. NOTES: A/B on
-// an H200 (2026-11-23, docs/bench/h200-2026-11-23-ab-mxfp4-fp8mma-rejected.json): with MXFP4 tokens (w4a4)
-// -5 to -7 % at T=16-512, -2 to -4 % at T=1, within 1 % at 2048-8192; with FP8 tokens (w4a8) +10 % at decode and
+// MXFP4 weights on FP8 wgmmas (sm90_fp4_grouped_gemm.cuh, kFP8Mma) instead of the BF16 decode. NOTES: A/Bs on
+// an H200 (2026-11-23, docs/bench/h200-2026-11-23-ab-mxfp4-fp8mma-*.json): with MXFP4 tokens (w4a4) -5 to -7 %
+// at T=16-512, -3 to -4 % at T=1, within 2 % at 2048-8192 (two runs); with FP8 tokens (w4a8) +10 % at decode and
 // +30-50 % at prefill (the consumers' per-group scale chain and the converters' fold of every weight tile's
 // tokens: docs/perf-notes.md, eighth session), so the default takes it for MXFP4 tokens only.
 // MEGAMOE_MXFP4_FP8MMA=1 / =0 (read per call) forces it on / off for both.
