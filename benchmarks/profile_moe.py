@@ -1,6 +1,12 @@
 """Per-kernel time breakdown of one fused call (torch.profiler, CUDA activity), for perf work.
 
     python benchmarks/profile_moe.py --model V4-Flash --tokens 1,8192 [--format mxfp4 --act-format fp8]
+        [--timeline]
+
+--timeline: the call captured in a CUDA graph and replayed under the profiler; prints each kernel's start and
+end (µs from the first kernel's start) in the last replay. With programmatic dependent launch a kernel starts
+before its predecessor ends and waits in griddepcontrol.wait, so per-kernel durations overlap: the end stamps
+show the critical path.
 
 Under ncu (--ncu): no torch.profiler, 2 warm calls then one profiled call per T.
 """
@@ -20,6 +26,7 @@ def main():
     ap.add_argument("--format", default="fp8", choices=["fp8", "mxfp4", "nvfp4"])
     ap.add_argument("--act-format", default="fp8", choices=["fp8", "fp4"])
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--timeline", action="store_true")
     args = ap.parse_args()
     cfg = bm.MODELS[args.model]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -48,6 +55,34 @@ def main():
             torch.cuda.synchronize()
         print(f"== {args.model} {fmt} a{act} T={t} (5 calls)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
+        if args.timeline:
+            print_timeline(step, f"{args.model} {fmt} a{act} T={t}")
+
+
+def print_timeline(step, what: str, replays: int = 5) -> None:
+    """Start / end of each kernel of the last of `replays` graph replays, µs from its first kernel's start."""
+    import json
+    import tempfile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()  # replays apart, so the last one's kernels are the last ones in time
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset")), key=lambda e: e["ts"])
+    per_call = len(kernels) // replays
+    last = kernels[-per_call:]
+    t0 = last[0]["ts"]
+    print(f"-- timeline of one graph replay, {what}: start / end / duration (µs)")
+    for e in last:
+        print(f"   {e['ts'] - t0:8.1f} {e['ts'] + e['dur'] - t0:8.1f} {e['dur']:8.1f}  {e['name'][:90]}")
 
 
 if __name__ == "__main__":
