@@ -1,5 +1,6 @@
-// pre_dispatch: bf16 tokens -> the activation recipe (FP8 or E2M1 + scales) and sanitized routing, in
-// the buffer. One block per token; bit-exact with the CPU op (same divisions, same rounding).
+// pre_dispatch: bf16 tokens -> the activation recipe (FP8 or E2M1 + scales) and the routing (ids as int32,
+// out-of-range ones clamped, still out of range), in the buffer. One block per token; bit-exact with the CPU
+// op (same divisions, same rounding). Clears the error word (bad ids are reported by the fused op's routing).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
