@@ -41,19 +41,21 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   // -11 %, V4-Flash T=512 / 4096 -5.6 / -4.7 %, V4-Flash T=1 and 8192 within 1 % (second run). With peers
   // (2xH200 EP=2, V4-Flash, bench_ep --alt-env, two runs, docs/bench/h200-2026-11-23-ep2-fused-ab*.json):
   // 16-512 tokens per rank -5 %, 2048 -8 %, 1 within noise (+4.7 / -1.4 %), 8192 +2.2 / +5.0 %: there the
-  // two launches stay (num_tokens is this rank's count). MEGAMOE_FP8_FUSED=1 / =0 forces one launch / two
-  // everywhere (read per call: tests and bench_ep compare both in one process).
+  // two launches stay. The cut is on rows per local expert (num_tokens is this rank's count, and every rank
+  // sends about as many, so rows = what a local expert receives): 2048 tokens per rank at EP=2 V4-Flash is 96
+  // rows, 8192 is 384 — as 2048 tokens per rank at EP=8 would be. MEGAMOE_FP8_FUSED=1 / =0 forces one launch /
+  // two everywhere (read per call: tests and bench_ep compare both in one process).
   const char* fused_env = std::getenv("MEGAMOE_FP8_FUSED");
   const bool forced = fused_env != nullptr && fused_env[0] == '1', off = fused_env != nullptr && fused_env[0] == '0';
-  c.fused = forced || (!off && (num_ranks == 1 || num_tokens <= 2048));
+  c.fused = forced || (!off && (num_ranks == 1 || rows <= 96));
   if (std::getenv("MEGAMOE_PRINT_CONFIGS") != nullptr) {
     static std::mutex mu;
-    static std::set<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> printed;
+    static std::set<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>> printed;
     std::lock_guard<std::mutex> lock(mu);
-    if (printed.insert({num_tokens, top_k, num_experts, hidden, intermediate}).second)
-      std::printf("megamoe: sm90 grouped GEMM T=%lld K=%lld E=%lld H=%lld I=%lld -> block_m=%d stages=%d fused=%d\n",
-                  (long long)num_tokens, (long long)top_k, (long long)num_experts, (long long)hidden,
-                  (long long)intermediate, c.block_m, c.num_stages, int(c.fused));
+    if (printed.insert({num_tokens, top_k, num_experts, hidden, intermediate, num_ranks}).second)
+      std::printf("megamoe: sm90 grouped GEMM T=%lld K=%lld E=%lld H=%lld I=%lld ranks=%lld -> block_m=%d stages=%d "
+                  "fused=%d\n", (long long)num_tokens, (long long)top_k, (long long)num_experts, (long long)hidden,
+                  (long long)intermediate, (long long)num_ranks, c.block_m, c.num_stages, int(c.fused));
   }
   return c;
 }
