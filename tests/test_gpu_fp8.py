@@ -94,6 +94,14 @@ def test_all_tokens_one_expert():
     assert rel_err(y, case.reference(topk_idx=idx)) <= TOL
 
 
+def test_top_k_beyond_one_combine_chunk():
+    """top_k 13 > the combine's 8 slots loaded together: the second chunk sums after the first, masked slots skipped
+    in both (every model has top_k <= 8, so no other test reaches the second chunk)."""
+    case = make_case(40, 256, 128, 13, 77, device="cuda", masked_fraction=0.3, seed=13)
+    y = run_poisoned(case)
+    assert rel_err(y, case.ref) <= TOL
+
+
 def test_int64_ids_equal_int32():
     case = make_case(8, 256, 384, 3, 50, device="cuda", seed=5)
     y32 = run_poisoned(case)

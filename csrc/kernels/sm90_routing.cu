@@ -2,6 +2,8 @@
 // These move routing metadata and token rows; the GEMMs live in sm90_fp8_grouped_gemm.cu.
 #include <cuda_bf16.h>
 
+#include <algorithm>
+
 #include "kernels/launch.hpp"
 #include "kernels/sm90_common.cuh"
 
@@ -146,10 +148,13 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   }
 }
 
+constexpr int kSfPerLane = 4;  // scale elements a lane loads with its row (FP8: 1; MXFP4 tokens: <= 4)
+
 // One warp per pool row: the token's packed row (16 bytes a lane), its scales (K-block-major:
 // `sf_elems` elements of `sf_elem_bytes` each), its top-k weight and, for NVFP4 activations, its global
 // scale, read from the buffer of the rank that owns the token (NVLink loads for a peer).
-__global__ void gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elems, int sf_elem_bytes,
+constexpr int kGatherThreads = 256;
+__global__ void __launch_bounds__(kGatherThreads, 4) gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elems, int sf_elem_bytes,
                               bool has_global_sf) {
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
@@ -160,13 +165,30 @@ __global__ void gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_el
   const int rank_slots = static_cast<int>(l.max_tokens_per_rank * l.top_k);
   const int top_k = static_cast<int>(l.top_k);
   const int chunks = static_cast<int>(l.token_bytes / 16);
-  for (int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32; row < num_rows; row += warps) {
-    const int src = __ldcg(pool_src + row);
+  const int first = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  int src = first < num_rows ? __ldcg(pool_src + first) : 0;
+  for (int row = first; row < num_rows; row += warps) {
+    // The next row's source is loaded under this row's copy: one round trip per row, not two.
+    const int next_src = row + warps < num_rows ? __ldcg(pool_src + row + warps) : 0;
     const int src_rank = src / rank_slots, slot = src - src_rank * rank_slots, token = slot / top_k;
     const uint8_t* peer = peer_buffer(buffer, l, src_rank);
     const uint4* from = reinterpret_cast<const uint4*>(peer + l.x_offset + int64_t(token) * l.token_bytes);
     uint4* to = reinterpret_cast<uint4*>(buffer + l.dispatch_x_offset + int64_t(row) * l.token_bytes);
-    // All loads of a lane first, then the stores: a remote row costs one round trip, not eight.
+    const uint8_t* sf = peer + l.x_sf_offset + int64_t(token) * l.token_sf_bytes;
+    uint8_t* dsf = buffer + l.dispatch_sf_offset;
+    // Every load of a lane first (row chunks, the first kSfPerLane scale elements, the top-k weight), then the
+    // stores: a row, local or remote, costs one round trip.
+    uint32_t sfv[kSfPerLane];
+#pragma unroll
+    for (int u = 0; u < kSfPerLane; ++u) {
+      const int j = lane + 32 * u;
+      if (j < sf_elems) sfv[u] = sf_elem_bytes == 4 ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + j) : sf[j];
+    }
+    float weight = 0.f, global_sf = 0.f;
+    if (lane == 0) {
+      weight = __ldcg(reinterpret_cast<const float*>(peer + l.topk_weights_offset) + slot);
+      if (has_global_sf) global_sf = __ldcg(reinterpret_cast<const float*>(peer + l.x_global_sf_offset) + token);
+    }
     constexpr int kMaxChunksPerLane = 8;  // hidden <= 8 * 32 * 16 bytes = 4096 FP8 per pass
     for (int base = 0; base < chunks; base += 32 * kMaxChunksPerLane) {
       uint4 v[kMaxChunksPerLane];
@@ -181,30 +203,37 @@ __global__ void gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_el
         if (i < chunks) to[i] = v[u];
       }
     }
-    const uint8_t* sf = peer + l.x_sf_offset + int64_t(token) * l.token_sf_bytes;
-    uint8_t* dsf = buffer + l.dispatch_sf_offset;
-    for (int j = lane; j < sf_elems; j += 32) {
+#pragma unroll
+    for (int u = 0; u < kSfPerLane; ++u) {
+      const int j = lane + 32 * u;
+      if (j >= sf_elems) continue;
+      if (sf_elem_bytes == 4)
+        reinterpret_cast<uint32_t*>(dsf)[int64_t(j) * l.pool_rows + row] = sfv[u];
+      else
+        dsf[int64_t(j) * l.pool_rows + row] = static_cast<uint8_t>(sfv[u]);
+    }
+    for (int j = lane + 32 * kSfPerLane; j < sf_elems; j += 32) {  // NVFP4 tokens past 2048 channels
       if (sf_elem_bytes == 4)
         reinterpret_cast<float*>(dsf)[int64_t(j) * l.pool_rows + row] = __ldcg(reinterpret_cast<const float*>(sf) + j);
       else
         dsf[int64_t(j) * l.pool_rows + row] = sf[j];
     }
     if (lane == 0) {
-      reinterpret_cast<float*>(buffer + l.dispatch_weight_offset)[row] =
-          __ldcg(reinterpret_cast<const float*>(peer + l.topk_weights_offset) + slot);
-      if (has_global_sf)
-        reinterpret_cast<float*>(buffer + l.dispatch_global_sf_offset)[row] =
-            __ldcg(reinterpret_cast<const float*>(peer + l.x_global_sf_offset) + token);
+      reinterpret_cast<float*>(buffer + l.dispatch_weight_offset)[row] = weight;
+      if (has_global_sf) reinterpret_cast<float*>(buffer + l.dispatch_global_sf_offset)[row] = global_sf;
     }
+    src = next_src;
   }
 }
 
 // Blocks (token stride, 1024-channel chunk); 8 channels a thread; slots summed in slot order in float32.
 // Every valid slot's row is in this rank's combine area: written by the rank that owns its expert.
 // NOTES (EP): block (0, 0) signals barrier 1 (this rank's expert outputs of this call are all written:
-// the L2 grid has completed) and every block waits for all ranks'. The grid is at most a few blocks per
-// SM, so every block is resident once the L2 grid has left and the wait cannot starve block (0, 0).
+// the L2 grid has completed) and every block waits for all ranks'. The grid is at most what the SMs hold at
+// once (occupancy query at launch), so every block is resident once the L2 grid has left and the wait
+// cannot starve block (0, 0).
 constexpr int kCombineThreads = 128;
+constexpr int kCombineSlots = 8;  // slots of a token whose rows are loaded together (any top_k: in chunks)
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16* y, uint8_t* buffer,
                                                                   layout::BufferLayout l, int rank, int num_tokens) {
   ptx::grid_dependency_wait();
@@ -229,14 +258,26 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16*
     const __nv_bfloat16* rows =
         reinterpret_cast<const __nv_bfloat16*>(buffer + l.combine_offset) + int64_t(token) * top_k * hidden;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll 4
-    for (int k = 0; k < top_k; ++k) {
-      const int id = ids[k];
-      if (zero || id < 0 || id >= l.num_experts) continue;  // unused or invalid (never an address)
-      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(rows + int64_t(k) * hidden + c));
-      const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    // A chunk's ids first, then all its valid rows' loads, then the sums: two memory round trips per chunk of
+    // kCombineSlots slots, where a loop over slots with a branch on each id waited for each id and row in turn.
+    for (int k0 = 0; k0 < top_k; k0 += kCombineSlots) {
+      bool valid[kCombineSlots];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += __bfloat162float(b[i]);
+      for (int u = 0; u < kCombineSlots; ++u) {
+        const int id = k0 + u < top_k ? __ldcg(ids + k0 + u) : -1;
+        valid[u] = !zero && id >= 0 && id < l.num_experts;  // unused or invalid: never an address
+      }
+      uint4 raw[kCombineSlots];
+#pragma unroll
+      for (int u = 0; u < kCombineSlots; ++u)
+        if (valid[u]) raw[u] = __ldcg(reinterpret_cast<const uint4*>(rows + int64_t(k0 + u) * hidden + c));
+#pragma unroll
+      for (int u = 0; u < kCombineSlots; ++u) {  // slot order, as the reference sums
+        if (!valid[u]) continue;
+        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&raw[u]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += __bfloat162float(b[i]);
+      }
     }
     uint4 out;
     __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
@@ -262,7 +303,7 @@ void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, ActRecip
   const int h = static_cast<int>(layout.hidden);
   const int sf_elem_bytes = recipe == ActRecipe::kFP8F32Block128 ? 4 : 1;
   const int sf_elems = recipe == ActRecipe::kFP8F32Block128 ? h / 128 : recipe == ActRecipe::kNVFP4 ? h / 16 : h / 32;
-  launch_pdl(gather_kernel, dim3(num_sms * 4), dim3(256), 0, stream, buffer, layout, sf_elems, sf_elem_bytes,
+  launch_pdl(gather_kernel, dim3(num_sms * 4), dim3(kGatherThreads), 0, stream, buffer, layout, sf_elems, sf_elem_bytes,
              recipe == ActRecipe::kNVFP4);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -271,8 +312,17 @@ void launch_combine(void* y, uint8_t* buffer, const layout::BufferLayout& layout
                     int num_sms, cudaStream_t stream) {
   // One rank with no tokens has nothing to do; with peers it still takes part in barrier 1.
   if (num_tokens == 0 && layout.num_ranks == 1) return;
-  const unsigned blocks_x = static_cast<unsigned>(num_tokens < 1 ? 1 : num_tokens < num_sms ? num_tokens : num_sms);
-  const dim3 grid(blocks_x, static_cast<unsigned>((layout.hidden / 8 + kCombineThreads - 1) / kCombineThreads));
+  // As many blocks as fit on the device at once (with peers every block must be resident for barrier 1): at
+  // one block per SM the prefill combine ran at ~55 % of the copy rate, its loads waiting on latency.
+  static const int resident_per_sm = [] {
+    int n = 0;
+    MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, combine_kernel, kCombineThreads, 0));
+    return n < 1 ? 1 : n;
+  }();
+  const int blocks_y = static_cast<int>((layout.hidden / 8 + kCombineThreads - 1) / kCombineThreads);
+  const int max_x = std::max(1, num_sms * resident_per_sm / blocks_y);
+  const unsigned blocks_x = static_cast<unsigned>(std::clamp(num_tokens, 1, max_x));
+  const dim3 grid(blocks_x, static_cast<unsigned>(blocks_y));
   launch_pdl(combine_kernel, grid, dim3(kCombineThreads), 0, stream, static_cast<__nv_bfloat16*>(y), buffer, layout,
              rank, num_tokens);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
