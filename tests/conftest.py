@@ -155,6 +155,16 @@ def _cached_layer(num_experts, hidden, intermediate, weight_format, seed, device
     return reference.make_random_layer(num_experts, hidden, intermediate, weight_format, seed=seed, device=device)
 
 
+def capture_graph(step) -> "torch.cuda.CUDAGraph":
+    """``step`` run once outside capture (warm-up: lazy initialization, tensor maps), then captured in a CUDA graph."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def release_gpu_memory() -> None:
     """Drops the memoized layers and returns cached blocks to the driver. The full-size DeepSeek-V4 layers
     need most of an 80 GB GPU (V4-Pro FP8: ~51 GB of weights in both layouts plus float temporaries), so

@@ -6,7 +6,7 @@ computes a row (K order, promotion and requantization are per element; combine s
 
 Run directly on a multi-GPU machine::
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/ep_cases.py [--shapes small,flash]
+    python -m torch.distributed.run --nproc-per-node 2 tests/ep_cases.py [--shapes small,flash[,flash-large]]
         [--formats fp8:fp8,mxfp4:fp8,mxfp4:fp4,nvfp4:fp8,nvfp4:fp4]
 
 ``--formats`` lists (weight format, activation format) pairs; FP4 pairs run every check except the module
@@ -33,7 +33,12 @@ SHAPES = {
     "small": (16, 256, 384, 3),
     "medium": (64, 1024, 512, 6),
     "flash": (256, 4096, 2048, 6),
+    "flash-large": (256, 4096, 2048, 6),  # V4-Flash with 8192 tokens per rank of capacity (see CAPACITY)
 }
+# Tokens per rank a shape's buffer holds. flash-large: at 8 ranks the buffer's later regions start past 2^31
+# bytes (every address computation must be 64-bit); not in the default --shapes (its EP=1 reference of the
+# full-capacity case runs ranks x 8192 tokens on each GPU).
+CAPACITY = {"small": 400, "medium": 400, "flash": 64, "flash-large": 8192}
 
 
 def log(msg: str) -> None:
@@ -131,7 +136,7 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_f
     world, rank = dist.get_world_size(), dist.get_rank()
     t0 = time.time()
     layer = Layer(shape, device, weight_format, act_format)
-    cap = 64 if shape == "flash" else 400
+    cap = CAPACITY[shape]
     buf = megamoe.get_symm_buffer(dist.group.WORLD, layer.num_experts, cap, layer.top_k, layer.hidden,
                                   layer.intermediate, act_format=act_format, device=device)
     torch.cuda.synchronize()

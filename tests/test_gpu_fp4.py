@@ -19,7 +19,7 @@ import torch
 
 import megamoe
 from megamoe import reference
-from conftest import release_gpu_memory, SWEEP_SEED, CUDA_MARKS, SweepPool, make_case, rel_err, skew_first_slot
+from conftest import capture_graph, release_gpu_memory, SWEEP_SEED, CUDA_MARKS, SweepPool, make_case, rel_err, skew_first_slot
 
 pytestmark = list(CUDA_MARKS)
 TOL = 1e-2
@@ -297,11 +297,7 @@ def test_cuda_graph_replay_with_new_inputs(weight_format, act_format):
         megamoe.pre_dispatch(x, idx, w, case.buffer, weight_format=weight_format)
         megamoe.fp8_fp4_mega_moe(y, case.l1, case.l2, case.buffer, weight_format=weight_format)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     for seed in range(3):
         gen = torch.Generator().manual_seed(100 + seed)
         x.copy_(torch.randn(96, 256, generator=gen).to("cuda", torch.bfloat16))

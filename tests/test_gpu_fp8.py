@@ -20,7 +20,7 @@ import torch
 
 import megamoe
 from megamoe import reference
-from conftest import release_gpu_memory, SWEEP_SEED, CUDA_MARKS, SweepPool, make_case, rel_err, skew_first_slot
+from conftest import capture_graph, release_gpu_memory, SWEEP_SEED, CUDA_MARKS, SweepPool, make_case, rel_err, skew_first_slot
 
 pytestmark = list(CUDA_MARKS)
 TOL = 1e-2
@@ -248,11 +248,7 @@ def test_fused_launch_graph_replay(fused_env):
         megamoe.pre_dispatch(x_in, idx_in, w_in, case.buffer, weight_format="fp8")
         megamoe.fp8_mega_moe(y, case.l1, case.l2, case.buffer)
 
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture_graph(call)
     for seed in (1, 2):
         other = make_case(16, 256, 384, 4, 64, device="cuda", seed=21 + seed, with_ref=False)  # new inputs
         x_in.copy_(other.x), idx_in.copy_(other.topk_idx), w_in.copy_(other.topk_weights)
@@ -282,11 +278,7 @@ def test_cuda_graph_replay_with_new_inputs():
         megamoe.pre_dispatch(x, idx, w, case.buffer)
         megamoe.fp8_mega_moe(y, case.l1, case.l2, case.buffer)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     for seed in range(3):
         new = make_case(16, 256, 384, 4, 96, device="cuda", seed=11, with_ref=False)
         gen = torch.Generator().manual_seed(100 + seed)
