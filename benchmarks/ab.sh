@@ -79,18 +79,21 @@ summarize() {
 python3 - "$work" "$out" "${names[@]}" <<'PY' >"$out/ab.txt"
 import glob, json, statistics, sys
 work, out, names = sys.argv[1], sys.argv[2], sys.argv[3:]
-med, med_us, every = {}, {}, []
+med, med_us, med_ig, every = {}, {}, {}, []
 for i, v in enumerate(names):
-    rows, us = {}, {}
+    rows, us, ig = {}, {}, {}
     for f in sorted(glob.glob(f"{work}/ab-{i}-*.json")):
         doc = json.load(open(f))
         for r in doc["rows"]:
             key = (r["model"], r["format"], r["act_format"], r["tokens_per_rank"])
             rows.setdefault(key, []).append(r["time_over_floor"])
             us.setdefault(key, []).append(r["us"])
+            if r.get("in_graph_us"):
+                ig.setdefault(key, []).append(r["in_graph_us"])
             every.append(dict(r, variant=v, round=int(f.rsplit("-", 1)[1][:-5]), gpu=doc["gpu"]))
     med[i] = {k: statistics.median(x) for k, x in rows.items()}  # by index: two variants may share a name
     med_us[i] = {k: statistics.median(x) for k, x in us.items()}
+    med_ig[i] = {k: statistics.median(x) for k, x in ig.items()}
 json.dump(every, open(f"{out}/ab.json", "w"), indent=1)
 print("variants: " + ", ".join(f"[{i}] {v}" for i, v in enumerate(names)))
 print(f"{'model':9} {'format':10} {'T':>5} " + " ".join(f"{'[' + str(i) + ']':>14}" for i in range(len(names)))
@@ -101,6 +104,12 @@ for k in sorted(med[0]):
         x = med[i].get(k)
         cells.append("-" if x is None else f"{x:6.3f} ({med_us[i][k] / med_us[0][k]:5.3f})")
     print(f"{k[0]:9} {k[1] + ':' + k[2]:10} {k[3]:5d} " + " ".join(f"{c:>14}" for c in cells))
+if med_ig[0]:
+    print("in a graph of 8 calls (no graph launch per call): us (time / [0]'s)")
+    for k in sorted(med_ig[0]):
+        cells = [("-" if med_ig[i].get(k) is None else f"{med_ig[i][k]:7.1f} ({med_ig[i][k] / med_ig[0][k]:5.3f})")
+                 for i in range(len(names))]
+        print(f"{k[0]:9} {k[1] + ':' + k[2]:10} {k[3]:5d} " + " ".join(f"{c:>15}" for c in cells))
 PY
 }
 

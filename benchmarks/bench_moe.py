@@ -3,7 +3,9 @@
     python benchmarks/bench_moe.py [--models V4-Flash,V4-Pro] [--tokens 1,16,...] [--formats fp8,mxfp4,nvfp4]
                                    [--act-formats fp8,fp4] [--json out.json] [--plot out.png]
 
-For each (model, T): megamoe's time (CUDA-graph replay of pre_dispatch + fused op, L2 flushed, median);
+For each (model, T): megamoe's time (CUDA-graph replay of pre_dispatch + fused op, L2 flushed, median), and
+its time inside a graph of 8 such calls (event-record nodes around each: no graph launch per call, as in a
+model whose step is one graph; `in_graph_us`);
 the floor = max(touched experts' weight bytes / copy bandwidth, FLOPs / dense FP8 matmul rate), both
 ceilings measured in this run; and a peer pipeline a user could write today with torch alone (routing by
 argsort, torch._scaled_grouped_mm FP8 with row-wise scales, SwiGLU, index_add), also graph-replayed.
@@ -31,6 +33,20 @@ MODELS = {
     "V4-Pro": dict(num_experts=384, top_k=6, hidden=7168, intermediate=3072),
 }
 TOKENS = (1, 16, 128, 512, 2048, 8192)
+
+
+def time_in_graph(fn):
+    """bu.time_in_graph, or None where this torch cannot time event-record nodes of a graph."""
+    try:
+        return bu.time_in_graph(fn)
+    except RuntimeError as err:
+        print(f"in-graph timing unavailable: {str(err).splitlines()[0]}")
+        return None
+
+
+def in_graph_fields(in_graph_us, floor_us):
+    return dict(in_graph_us=None if in_graph_us is None else round(in_graph_us, 2),
+                in_graph_over_floor=None if in_graph_us is None else round(in_graph_us / floor_us, 3))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -154,6 +170,7 @@ def run_fp4(models, tokens, ceilings, formats_, act_formats, fp8_rows):
 
                     try:
                         us = bu.time_graph(ours)
+                        in_graph_us = time_in_graph(ours)
                     except NotImplementedError as err:
                         print(f"{name} {fmt} act {act}: {str(err).splitlines()[0]}")
                         break
@@ -167,11 +184,12 @@ def run_fp4(models, tokens, ceilings, formats_, act_formats, fp8_rows):
                                      time_over_floor=round(us / floor_us, 3), peer="megamoe fp8_mega_moe",
                                      peer_us=peer_us, speedup=None if peer_us is None else round(peer_us / us, 3),
                                      tflops=round(flops / us / 1e6, 1), gbps=round(nbytes / us / 1e3, 1),
-                                     touched_experts=touched))
+                                     touched_experts=touched, **in_graph_fields(in_graph_us, floor_us)))
                     r = rows[-1]
                     print(f"{name:9s} {fmt:5s} a{act:3s} T={t:5d} | {us:9.1f} us | floor {floor_us:9.1f} us | "
                           f"x{r['time_over_floor']:5.2f} | vs fp8 {r['speedup'] or float('nan'):5.2f} | "
-                          f"{r['gbps']:7.1f} GB/s", flush=True)
+                          f"{r['gbps']:7.1f} GB/s | in graph x{r['in_graph_over_floor'] or float('nan'):5.2f}",
+                          flush=True)
                     del buf
             del l1, l2
             torch.cuda.empty_cache()
@@ -199,6 +217,7 @@ def run(models, tokens, ceilings, with_peer=True):
                 megamoe.fp8_mega_moe(y, l1, l2, buf)
 
             us = bu.time_graph(ours)
+            in_graph_us = time_in_graph(ours)
             eager_us = bu.time_events(ours) if t == 1 else None
             y_ours = y.clone()
             y_peer = torch.empty_like(x)
@@ -220,11 +239,12 @@ def run(models, tokens, ceilings, with_peer=True):
                              speedup=None if peer_us is None else round(peer_us / us, 3),
                              tflops=round(flops / us / 1e6, 1), gbps=round(nbytes / us / 1e3, 1),
                              eager_us=None if eager_us is None else round(eager_us, 2),
-                             peer_rel_diff=None if diff is None else round(diff, 4), touched_experts=touched))
+                             peer_rel_diff=None if diff is None else round(diff, 4), touched_experts=touched,
+                             **in_graph_fields(in_graph_us, floor_us)))
             r = rows[-1]
             print(f"{name:9s} T={t:5d} | {us:9.1f} us | floor {floor_us:9.1f} us | x{r['time_over_floor']:5.2f} | "
                   f"peer {r['peer_us'] or float('nan'):9.1f} us | speedup {r['speedup'] or float('nan'):5.2f} | "
-                  f"{r['tflops']:6.1f} TFLOP/s | {r['gbps']:7.1f} GB/s" +
+                  f"{r['tflops']:6.1f} TFLOP/s | {r['gbps']:7.1f} GB/s | in graph x{r['in_graph_over_floor'] or float('nan'):5.2f}" +
                   (f" | eager {eager_us:.1f} us" if eager_us else ""), flush=True)
             del buf
         del l1, l2, peer

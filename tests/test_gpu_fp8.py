@@ -143,19 +143,58 @@ def test_bad_expert_id_skipped_and_reported():
         run_poisoned(case, check=True)
 
 
-def test_multi_rank_buffer_without_peer_table_is_refused():
+def test_error_word_is_per_call_in_graph_replay():
+    """The error word describes the last call only, also in CUDA-graph replay (pre_dispatch clears it, the
+    routing kernel reports this call's bad ids): an int64 id past int32 is skipped and reported clamped, and a
+    replay with the ids fixed leaves the word clean without anyone zeroing it in between."""
+    case = make_case(8, 256, 384, 3, 20, device="cuda", masked_fraction=0.0, seed=21)
+    idx = case.topk_idx.to(torch.int64)
+    good = idx.clone()
+    y = torch.empty_like(case.x)
+
+    def step():
+        megamoe.pre_dispatch(case.x, idx, case.topk_weights, case.buffer, weight_format="fp8")
+        megamoe.fp8_mega_moe(y, case.l1, case.l2, case.buffer, check=False)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    idx[5, 2] = 1 << 40
+    y.fill_(float("nan"))
+    graph.replay()
+    assert case.buffer.error_word().tolist() == [1, 2**31 - 1, 5, 2]
+    masked = good.clone()
+    masked[5, 2] = -1
+    assert rel_err(y, case.reference(topk_idx=masked)) <= TOL
+    idx.copy_(good)
+    y.fill_(float("nan"))
+    graph.replay()
+    assert case.buffer.error_word().tolist() == [0, 0, 0, 0]
+    assert rel_err(y, case.ref) <= TOL
+
+
+@pytest.mark.parametrize("bad_id", [False, True])
+def test_multi_rank_buffer_without_peer_table_is_refused(bad_id):
     """A buffer sized for 2 ranks but not made by get_symm_buffer (no peer table): the kernels trust no
-    address in it, route nothing (y = 0, no cross-rank wait) and report it in the error word."""
+    address in it, route nothing (y = 0, no cross-rank wait) and report it in the error word — also when a bad
+    expert id is in the call and the fused op runs twice after one pre_dispatch (the combine decides by the
+    peer table itself, not by which error holds the word)."""
     case = make_case(8, 256, 384, 3, 12, device="cuda", seed=12)
     layout = megamoe.buffer.buffer_layout(8, 2, 12, 3, 256, 384, "fp8")
     buf = megamoe.MegaMoEBuffer(torch.zeros(layout["total_bytes"], dtype=torch.uint8, device="cuda"), 8, 2, 0,
                                 12, 3, 256, 384, "fp8")
     half = tuple(t[:4].contiguous() for t in case.l1), tuple(t[:4].contiguous() for t in case.l2)
-    megamoe.pre_dispatch(case.x, case.topk_idx, case.topk_weights, buf)
-    y = torch.full_like(case.x, float("nan"))
-    with pytest.raises(RuntimeError, match="peer table"):
-        megamoe.fp8_mega_moe(y, half[0], half[1], buf, check=True)
-    assert torch.equal(y, torch.zeros_like(y))
+    idx = case.topk_idx.clone()
+    if bad_id:
+        idx[2, 1] = 8
+    megamoe.pre_dispatch(case.x, idx, case.topk_weights, buf)
+    for _ in range(2):
+        y = torch.full_like(case.x, float("nan"))
+        with pytest.raises(RuntimeError, match="peer table"):
+            megamoe.fp8_mega_moe(y, half[0], half[1], buf, check=True)
+        assert torch.equal(y, torch.zeros_like(y))
 
 
 def test_capacity_larger_than_tokens():

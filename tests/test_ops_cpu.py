@@ -191,18 +191,21 @@ def test_pre_dispatch_buffer_contents(combo, idx_dtype):
     assert buf.error_word().tolist() == [0, 0, 0, 0]
 
 
-def test_pre_dispatch_records_first_bad_id():
-    c = make_case(E, H, I, K, 6, "fp8", "fp8", seed=1, masked_fraction=0.0, with_ref=False)
+def test_bad_ids_stored_clamped_and_reported_by_the_fused_op():
+    """pre_dispatch clears the error word and stores ids as int32 (out-of-range ones clamped, still out of
+    range: the CUDA kernel records no error, so nothing races with its clear); the fused op skips them and
+    reports the first."""
+    c = make_case(E, H, I, K, 6, "fp8", "fp8", seed=1, masked_fraction=0.0, with_ref=False, idx_dtype=torch.int64)
     idx = c.topk_idx.clone()
     idx[2, 1] = E + 3
-    idx[4, 0] = -9
+    idx[4, 0] = -(1 << 40)
     megamoe.pre_dispatch(c.x, idx, c.topk_weights, c.buffer)
-    assert c.buffer.error_word().tolist() == [1, E + 3, 2, 1]
+    assert c.buffer.error_word().tolist() == [0, 0, 0, 0]
     stored = c.buffer.view("topk_idx", (6, K), torch.int32)
-    expected = idx.clone()
-    expected[2, 1] = expected[4, 0] = -1
-    assert torch.equal(stored, expected)
-    # The next good pre_dispatch clears the word.
+    assert torch.equal(stored, idx.clamp(-2**31, 2**31 - 1).to(torch.int32))
+    c.run_inplace(nan_like(c.x), check=False)
+    assert c.buffer.error_word().tolist() == [1, E + 3, 2, 1]
+    # The next pre_dispatch clears the word.
     megamoe.pre_dispatch(c.x, c.topk_idx, c.topk_weights, c.buffer)
     assert c.buffer.error_word().tolist() == [0, 0, 0, 0]
 

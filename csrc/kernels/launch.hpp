@@ -12,7 +12,7 @@
 
 namespace megamoe::kernels {
 
-// pre_dispatch: quantize x and store it with the sanitized routing into the buffer.
+// pre_dispatch: quantize x and store it with the routing (int32 ids, out-of-range ones clamped) into the buffer.
 void launch_pre_dispatch(const void* x, const void* topk_idx, bool topk_idx_is_int64, const float* topk_weights,
                          uint8_t* buffer, const layout::BufferLayout& layout, int num_tokens, ActRecipe recipe,
                          cudaStream_t stream);

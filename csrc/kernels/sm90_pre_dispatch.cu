@@ -1,5 +1,6 @@
-// pre_dispatch: bf16 tokens -> the activation recipe (FP8 or E2M1 + scales) and sanitized routing, in
-// the buffer. One block per token; bit-exact with the CPU op (same divisions, same rounding).
+// pre_dispatch: bf16 tokens -> the activation recipe (FP8 or E2M1 + scales) and the routing (ids as int32,
+// out-of-range ones clamped, still out of range), in the buffer. One block per token; bit-exact with the CPU
+// op (same divisions, same rounding). Clears the error word (bad ids are reported by the fused op's routing).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -24,20 +25,24 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
   const int token = blockIdx.x;
-  if (token == 0 && threadIdx.x == 0) *reinterpret_cast<int*>(buffer + l.num_tokens_offset) = num_tokens;
+  if (token == 0 && threadIdx.x < layout::kNumErrorWords) {
+    // The error word describes the bad input of this call only. NOTES: cleared here, not by a memset before
+    // the launch: in a graph replay the first kernel started 6.6-9 µs after the memset node (V4-Flash T=1,
+    // H200, profile_moe.py --timeline, 2026-11-23). No kernel of this grid records errors (the routing
+    // kernel, which runs after this grid has completed, reports this rank's bad ids): nothing races the clear.
+    reinterpret_cast<int*>(buffer + l.error_offset)[threadIdx.x] = 0;
+    if (threadIdx.x == 0) *reinterpret_cast<int*>(buffer + l.num_tokens_offset) = num_tokens;
+  }
   if (token >= num_tokens) return;
   const int hidden = static_cast<int>(l.hidden), top_k = static_cast<int>(l.top_k);
 
-  // ---- routing: ids outside [-1, num_experts) become -1 and set the error word (first one wins)
+  // ---- routing: ids are stored as int32, those outside [-1, num_experts) clamped so that they stay outside
+  // (every reader skips them; the routing kernel reports them in the error word, first one wins)
   if (threadIdx.x < top_k) {
     const int64_t slot = int64_t(token) * top_k + threadIdx.x;
     const int64_t id = static_cast<int64_t>(topk_idx[slot]);
-    int stored = static_cast<int>(id);
-    if (id < -1 || id >= l.num_experts) {
-      record_error(buffer, l, layout::kErrorExpertId, id, token, threadIdx.x);
-      stored = -1;
-    }
-    reinterpret_cast<int*>(buffer + l.topk_idx_offset)[slot] = stored;
+    reinterpret_cast<int*>(buffer + l.topk_idx_offset)[slot] =
+        static_cast<int>(id < INT32_MIN ? INT32_MIN : id > INT32_MAX ? INT32_MAX : id);
     reinterpret_cast<float*>(buffer + l.topk_weights_offset)[slot] = topk_weights[slot];
   }
 
@@ -128,8 +133,6 @@ void launch_recipe(const void* x, const void* topk_idx, bool is_int64, const flo
 void launch_pre_dispatch(const void* x, const void* topk_idx, bool topk_idx_is_int64, const float* topk_weights,
                          uint8_t* buffer, const layout::BufferLayout& layout, int num_tokens, ActRecipe recipe,
                          cudaStream_t stream) {
-  // The error word describes the bad input of this call only.
-  MEGAMOE_CUDA_CHECK(cudaMemsetAsync(buffer + layout.error_offset, 0, layout::kNumErrorWords * 4, stream));
   switch (recipe) {
     case ActRecipe::kFP8F32Block128:
       launch_recipe<ActRecipe::kFP8F32Block128>(x, topk_idx, topk_idx_is_int64, topk_weights, buffer, layout,

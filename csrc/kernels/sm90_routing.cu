@@ -216,9 +216,11 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16*
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
   const int top_k = static_cast<int>(l.top_k), hidden = static_cast<int>(l.hidden);
-  bool zero = false;  // the routing of this call rejected the peer table: no row was produced
+  bool zero = false;  // the peer table is not this call's symmetric buffer: routing produced no row
   if (l.num_ranks > 1) {
-    zero = __ldcg(reinterpret_cast<const int*>(buffer + l.error_offset)) == layout::kErrorPeerPointers;
+    // The routing kernel's test, not the error word: an earlier error of this call (or of an earlier call, when
+    // the fused op runs twice after one pre_dispatch) may hold the word, and a zeroed table must never be used.
+    zero = peer_buffer(buffer, l, rank) != buffer;
     if (!zero) {
       const uint32_t epoch = __ldcg(epoch_word(buffer, l));
       if (blockIdx.x == 0 && blockIdx.y == 0) ep_signal(buffer, l, rank, 1, epoch);

@@ -121,6 +121,18 @@ void mega_moe_cpu(at::Tensor& y, const at::Tensor& l1_weights, const at::Tensor&
   auto x = cpu::dequantize_rows(data, sf, gsf, args.recipe, h);
   auto ids = buffer_view(buffer, l.topk_idx_offset, {l.max_tokens_per_rank, k}, at::kInt).narrow(0, 0, t).to(at::kLong);
   auto weights = buffer_view(buffer, l.topk_weights_offset, {l.max_tokens_per_rank, k}, at::kFloat).narrow(0, 0, t);
+  // Ids outside [-1, num_experts) (pre_dispatch stores them clamped to int32) are skipped below and the first
+  // is reported in the error word, unless an error of this call is there already (first one wins).
+  auto bad_pos = ids.lt(-1).logical_or(ids.ge(l.num_experts)).reshape({-1}).nonzero();
+  auto error = buffer_view(buffer, l.error_offset, {layout::kNumErrorWords}, at::kInt);
+  if (bad_pos.numel() > 0 && error[0].item<int32_t>() == 0) {
+    const int64_t flat = bad_pos[0][0].item<int64_t>();
+    auto e = error.accessor<int32_t, 1>();
+    e[0] = layout::kErrorExpertId;
+    e[1] = static_cast<int32_t>(ids.reshape({-1})[flat].item<int64_t>());
+    e[2] = static_cast<int32_t>(flat / k);
+    e[3] = static_cast<int32_t>(flat % k);
+  }
 
   // ---- experts: L1 -> SwiGLU (+clamp, x topk weight) -> requant -> L2, one (token, slot) row each
   auto combine = at::zeros({t, k, h}, y.options().dtype(at::kFloat));

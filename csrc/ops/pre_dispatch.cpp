@@ -57,20 +57,9 @@ void pre_dispatch_cpu(const at::Tensor& x, const at::Tensor& topk_idx, const at:
   if (q.global_sf.defined())
     buffer_view(buffer, l.x_global_sf_offset, {l.max_tokens_per_rank}, at::kFloat).narrow(0, 0, t).copy_(q.global_sf);
 
-  // ---- routing: ids outside [-1, num_experts) become -1 and set the error word (first one wins)
-  auto ids = topk_idx.to(at::kLong);
-  auto bad = ids.lt(-1).logical_or(ids.ge(l.num_experts));
-  auto bad_pos = bad.reshape({-1}).nonzero();
-  if (bad_pos.numel() > 0) {
-    const int64_t flat = bad_pos[0][0].item<int64_t>();
-    const int64_t value = ids.reshape({-1})[flat].item<int64_t>();
-    auto e = error.accessor<int32_t, 1>();
-    e[0] = layout::kErrorExpertId;
-    e[1] = static_cast<int32_t>(std::clamp<int64_t>(value, INT32_MIN, INT32_MAX));
-    e[2] = static_cast<int32_t>(flat / k);
-    e[3] = static_cast<int32_t>(flat % k);
-    ids = ids.masked_fill(bad, -1);
-  }
+  // ---- routing: ids stored as int32, those outside [-1, num_experts) clamped so that they stay outside
+  // (as the CUDA kernel does); the fused op skips them and reports the first in the error word
+  auto ids = topk_idx.to(at::kLong).clamp(INT32_MIN, INT32_MAX);
   buffer_view(buffer, l.topk_idx_offset, {l.max_tokens_per_rank, k}, at::kInt).narrow(0, 0, t).copy_(ids);
   buffer_view(buffer, l.topk_weights_offset, {l.max_tokens_per_rank, k}, at::kFloat)
       .narrow(0, 0, t).copy_(topk_weights);

@@ -55,7 +55,7 @@ struct BufferLayout {
   int64_t x_offset = 0;              // uint8 [max_tokens_per_rank, token_bytes]
   int64_t x_sf_offset = 0;           // uint8 [max_tokens_per_rank, token_sf_bytes]
   int64_t x_global_sf_offset = 0;    // float32 [max_tokens_per_rank] (NVFP4 activations only)
-  int64_t topk_idx_offset = 0;       // int32 [max_tokens_per_rank, top_k]; -1 = unused slot
+  int64_t topk_idx_offset = 0;       // int32 [max_tokens_per_rank, top_k]; -1 = unused, outside [-1, E) = bad (skipped, reported)
   int64_t topk_weights_offset = 0;   // float32 [max_tokens_per_rank, top_k]
   int64_t pool_src_offset = 0;       // int32 [pool_rows]: (rank * max_tokens + token) * top_k + slot
   int64_t dispatch_x_offset = 0;     // uint8 [pool_rows, token_bytes]: L1 inputs grouped by expert
