@@ -51,6 +51,9 @@ nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo",
               "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
               "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
 
+# Diagnostic builds: MEGAMOE_NVCC_DEFINES=NAME[,NAME] (e.g. MEGAMOE_TILE_TRACE, see benchmarks/tile_trace.py).
+nvcc_flags += [f"-D{name}" for name in os.environ.get("MEGAMOE_NVCC_DEFINES", "").split(",") if name]
+
 sources = _sources("csrc/**/*.cpp")
 if not use_cuda:  # the CUDA registrations (csrc/ops/cuda_*.cpp) include the CUDA runtime headers
     sources = [s for s in sources if not os.path.basename(s).startswith("cuda_")]

@@ -80,12 +80,15 @@ if has bench; then
 fi
 if has sanitize; then
   # Last (slowest): reduced GPU suite under compute-sanitizer (memcheck, racecheck on shared memory).
+  # racecheck instruments megamoe's kernels only: on torch's own reduce_kernel (the tests' amax) it reports
+  # hazards (2026-11-23, H100: 4 reports, all in at::native::reduce_kernel<MaxNanFunctor>, none in ours).
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_gpu_fp8.py -q -p no:cacheprovider \
+    filter=(); [ $tool = racecheck ] && filter=(--kernel-name kns=megamoe)
+    compute-sanitizer --tool $tool "${filter[@]}" --error-exitcode 9 python3 -m pytest tests/test_gpu_fp8.py -q -p no:cacheprovider \
       -k "small_shapes and (shape0 or shape2) or masked or one_expert or recv_stats or int64 or bad_expert" 2>&1 | tee "$out/sanitize-$tool.log" | tail -4
     echo "compute-sanitizer $tool exit (FP8): ${PIPESTATUS[0]}"
     # FP4 (every weight / activation format pair): small shapes at 7 and 113 tokens, masks, one expert, bad ids.
-    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest tests/test_gpu_fp4.py -q -p no:cacheprovider \
+    compute-sanitizer --tool $tool "${filter[@]}" --error-exitcode 9 python3 -m pytest tests/test_gpu_fp4.py -q -p no:cacheprovider \
       -k "${SANITIZE_FP4_K:-small_shapes and (shape0 or shape2) and (7 or 113) or masked or one_expert or bad_expert}" 2>&1 | tee "$out/sanitize-fp4-$tool.log" | tail -4
     echo "compute-sanitizer $tool exit (FP4): ${PIPESTATUS[0]}"
   done

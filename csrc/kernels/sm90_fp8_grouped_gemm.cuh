@@ -61,6 +61,18 @@ struct GemmParams {
   bool fast_math;
 };
 
+#ifdef MEGAMOE_TILE_TRACE
+// Diagnostic build only (setup.py: MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE; benchmarks/tile_trace.py reads it):
+// each CTA keeps the global-timer stamps of its first kTraceTiles tiles in registers / local memory and prints
+// them once at exit, so no printf sits inside the timed walk.
+constexpr int kTraceTiles = 8;
+__device__ __forceinline__ unsigned trace_smid() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+#endif
+
 // A work tile as the producer hands it to the consumers: gemm 0 (L1) or 1 (L2); expert < 0 ends the walk.
 struct WorkTile : TileInfo {
   int gemm;
@@ -207,6 +219,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       int stage = 0;
       uint32_t phase = 0;
       int tile = kFused ? 0 : static_cast<int>(blockIdx.x);
+#ifdef MEGAMOE_TILE_TRACE
+      int trace_n = 0, trace_tile[kTraceTiles];
+      uint64_t trace_claim[kTraceTiles];
+#endif
       for (bool first = true;; first = false) {
         flush_pending();  // the previous tile's token parts (see Pending)
         if constexpr (kFused) {
@@ -215,6 +231,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         } else if (!first) {
           tile += static_cast<int>(gridDim.x);
         }
+#ifdef MEGAMOE_TILE_TRACE
+        if (lane == 0 && trace_n < kTraceTiles) trace_tile[trace_n] = tile, trace_claim[trace_n++] = ptx::globaltimer_ns();
+#endif
         if (tile >= num_tiles) {
           // End marker: one more stage, no data, which the consumers read and stop at.
           ptx::mbarrier_wait(&empty[stage], phase ^ 1);
@@ -267,6 +286,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
       }
       ptx::cp_async_wait_all();
+#ifdef MEGAMOE_TILE_TRACE
+      if (lane == 0)
+        for (int i = 0; i < trace_n; ++i)
+          printf("MMTRACE P %d %u %d %llu\n", blockIdx.x, trace_smid(), trace_tile[i],
+                 static_cast<unsigned long long>(trace_claim[i]));
+#endif
     }
     return;
   }
@@ -281,6 +306,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const int quad_row = warp * 16 + lane / 4;          // this thread's first row in a 64-row slice
   int stage = 0;
   uint32_t phase = 0;
+#ifdef MEGAMOE_TILE_TRACE
+  const uint64_t trace_entry = ptx::globaltimer_ns();  // after the grid dependency wait
+  int trace_n = 0, trace_info[kTraceTiles][4];
+  uint64_t trace_t[kTraceTiles][3];
+#endif
   const uint32_t tile_a_desc_lo = ptx::smem_desc_sw128_lo(tile_a), tile_b_desc_lo = ptx::smem_desc_sw128_lo(tile_b);
 
   for (;;) {
@@ -297,6 +327,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     float acc0[kRegs], acc1[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
+#ifdef MEGAMOE_TILE_TRACE
+    if (ctid == 0 && trace_n < kTraceTiles) {
+      trace_info[trace_n][0] = t.gemm, trace_info[trace_n][1] = t.expert, trace_info[trace_n][2] = t.n_block;
+      trace_info[trace_n][3] = t.rows;
+      trace_t[trace_n][0] = ptx::globaltimer_ns();  // first stage full
+    }
+#endif
 
     for (int kb = 0; kb < num_kblocks; ++kb) {
       ptx::mbarrier_wait(&full[stage], phase);
@@ -346,6 +383,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       for (int i = 0; i < kRegs; ++i) acc1[i] += part1[i] * (ws1 * col_sf[(i / 4) * 2 + (i % 2)]);
     }
 
+#ifdef MEGAMOE_TILE_TRACE
+    if (ctid == 0 && trace_n < kTraceTiles) trace_t[trace_n][1] = ptx::globaltimer_ns();  // main loop done
+#endif
     // ======================================================================== epilogue
     if (is_l1) {
       // SwiGLU in registers: acc0 = gate rows, acc1 = the matching up rows.
@@ -425,7 +465,19 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                                                ctid);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     }
+#ifdef MEGAMOE_TILE_TRACE
+    if (ctid == 0 && trace_n < kTraceTiles) trace_t[trace_n++][2] = ptx::globaltimer_ns();  // epilogue done
+#endif
   }
+#ifdef MEGAMOE_TILE_TRACE
+  if (ctid == 0) {
+    printf("MMTRACE E %d %u %llu\n", blockIdx.x, trace_smid(), static_cast<unsigned long long>(trace_entry));
+    for (int i = 0; i < trace_n; ++i)
+      printf("MMTRACE C %d %u %d %d %d %d %llu %llu %llu\n", blockIdx.x, trace_smid(), trace_info[i][0],
+             trace_info[i][1], trace_info[i][2], trace_info[i][3], static_cast<unsigned long long>(trace_t[i][0]),
+             static_cast<unsigned long long>(trace_t[i][1]), static_cast<unsigned long long>(trace_t[i][2]));
+  }
+#endif
 #else
   __trap();  // built for a GPU without wgmma: the host never launches this
 #endif

@@ -1,0 +1,162 @@
+"""Per-CTA tile timeline of the FP8 grouped GEMM (diagnostic; needs a build with MEGAMOE_TILE_TRACE).
+
+    MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE python setup.py build_ext --inplace
+    python benchmarks/tile_trace.py [--model V4-Flash] [--tokens 1] [--json out.json]
+
+Runs one call (after warm-up and an L2 flush) in a child process, whose kernels print, at exit, the global-timer
+stamps of each CTA's tiles: when the producer claimed the tile, when its first stage was full (consumers), when
+the main loop and the epilogue ended. Prints the walk's phases (µs from the first claim): L1 / L2 tile starts and
+ends, each tile's main-loop time and weight bytes per µs, how many CTAs hold a tile over time, and the gap
+between L1's last end and L2's first token stage.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def child(model: str, tokens: int) -> None:
+    import torch
+
+    import megamoe
+    import bench_moe as bm
+    import bench_utils as bu
+
+    cfg = bm.MODELS[model]
+    e, k, h, i = cfg["num_experts"], cfg["top_k"], cfg["hidden"], cfg["intermediate"]
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    l1, l2 = bm.make_layer(cfg, gen)
+    x = torch.randn(tokens, h, device="cuda", generator=gen).bfloat16()
+    idx, w = bm.make_routing(tokens, e, k, gen)
+    buf = megamoe.get_symm_buffer(None, e, tokens, k, h, i)
+    y = torch.empty_like(x)
+    libc = ctypes.CDLL(None)
+
+    def call():
+        megamoe.pre_dispatch(x, idx, w, buf)
+        megamoe.fp8_mega_moe(y, l1, l2, buf)
+
+    for _ in range(3):
+        call()
+    bu.flush_l2()
+    torch.cuda.synchronize()
+    libc.fflush(None)
+    print("MMTRACE MARK", flush=True)
+    call()
+    torch.cuda.synchronize()
+    libc.fflush(None)
+    print("MMTRACE END", flush=True)
+    print(f"MMTRACE SHAPE {h} {i} {k} {e}", flush=True)
+
+
+def parse(lines):
+    cta_tiles, claims, entries, shape = [], [], {}, None
+    on = False
+    for line in lines:
+        f = line.split()
+        if len(f) < 2 or f[0] != "MMTRACE":
+            continue
+        if f[1] == "MARK":
+            on, cta_tiles, claims, entries = True, [], [], {}
+        elif f[1] == "END":
+            on = False
+        elif f[1] == "SHAPE":
+            shape = tuple(int(v) for v in f[2:])
+        elif on and f[1] == "P":
+            claims.append(dict(cta=int(f[2]), sm=int(f[3]), tile=int(f[4]), claim=int(f[5])))
+        elif on and f[1] == "E":
+            entries[int(f[2])] = int(f[4])
+        elif on and f[1] == "C":
+            cta_tiles.append(dict(cta=int(f[2]), sm=int(f[3]), gemm=int(f[4]), expert=int(f[5]), n_block=int(f[6]),
+                                  rows=int(f[7]), start=int(f[8]), main_end=int(f[9]), end=int(f[10])))
+    return cta_tiles, claims, entries, shape
+
+
+def summarize(tiles, claims, entries, shape) -> dict:
+    hidden, inter = shape[0], shape[1]
+    t0 = min([c["claim"] for c in claims] + [t["start"] for t in tiles])
+    us = lambda ns: (ns - t0) / 1e3  # noqa: E731
+    out = {"ctas_with_tiles": len({t["cta"] for t in tiles}), "ctas": len(entries)}
+    print(f"CTAs {out['ctas']}, with tiles {out['ctas_with_tiles']}; consumer entry (after the grid dependency "
+          f"wait): {us(min(entries.values())):.1f} - {us(max(entries.values())):.1f} µs")
+    for gemm, name, k_bytes in ((0, "L1", hidden), (1, "L2", inter)):
+        ts = [t for t in tiles if t["gemm"] == gemm]
+        if not ts:
+            continue
+        main = [(t["main_end"] - t["start"]) / 1e3 for t in ts]
+        epi = [(t["end"] - t["main_end"]) / 1e3 for t in ts]
+        rate = [256 * k_bytes / ((t["main_end"] - t["start"]) / 1e3) / 1e3 for t in ts]  # GB/s per tile
+        row = dict(tiles=len(ts), first_start=us(min(t["start"] for t in ts)),
+                   last_start=us(max(t["start"] for t in ts)), first_end=us(min(t["end"] for t in ts)),
+                   last_end=us(max(t["end"] for t in ts)), main_us_median=statistics.median(main),
+                   main_us_max=max(main), epilogue_us_median=statistics.median(epi),
+                   gbps_per_tile_median=statistics.median(rate))
+        out[name] = row
+        print(f"{name}: {row['tiles']} tiles; first stage full {row['first_start']:.1f} - {row['last_start']:.1f} µs; "
+              f"ends {row['first_end']:.1f} - {row['last_end']:.1f} µs; main loop median {row['main_us_median']:.1f} "
+              f"(max {row['main_us_max']:.1f}) µs = {row['gbps_per_tile_median']:.1f} GB/s per tile; epilogue "
+              f"{row['epilogue_us_median']:.2f} µs")
+    # The n-th tile a CTA's consumers took is its producer's n-th claim (the last claim is the end marker).
+    wait = collections.defaultdict(list)
+    for cta in {t["cta"] for t in tiles}:
+        cs = sorted((c for c in claims if c["cta"] == cta), key=lambda c: c["claim"])
+        ts = sorted((t for t in tiles if t["cta"] == cta), key=lambda t: t["start"])
+        for c, t in zip(cs, ts):
+            wait[t["gemm"]].append((t["start"] - c["claim"]) / 1e3)
+    for gemm, name in ((0, "L1"), (1, "L2")):
+        if wait[gemm]:
+            out[name]["claim_to_first_stage_us_median"] = statistics.median(wait[gemm])
+            print(f"{name}: claim -> first stage full: median {statistics.median(wait[gemm]):.1f}, "
+                  f"max {max(wait[gemm]):.1f} µs")
+    if "L1" in out and "L2" in out:
+        print(f"L2 tiles whose first stage was full before L1's last end: "
+              f"{sum(t['start'] - t0 < (out['L1']['last_end'] * 1e3) for t in tiles if t['gemm'] == 1)}")
+    end = max(t["end"] for t in tiles)
+    step = max(1, int((end - t0) / 1e3 / 40))
+    busy = collections.Counter()
+    for t in tiles:
+        for b in range(int(us(t["start"])) // step, int(us(t["end"])) // step + 1):
+            busy[(b, t["gemm"])] += 1
+    print(f"CTAs inside a tile per {step} µs (L1 / L2):")
+    print(" ".join(f"{b * step}:{busy[(b, 0)]}/{busy[(b, 1)]}" for b in range(int(us(end)) // step + 1)))
+    out["end_us"] = us(end)
+    print(f"last tile ends at {us(end):.1f} µs after the first claim")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="V4-Flash")
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--json")
+    ap.add_argument("--child", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        child(args.model, args.tokens)
+        return
+    proc = subprocess.run([sys.executable, __file__, "--child", "--model", args.model, "--tokens", str(args.tokens)],
+                          capture_output=True, text=True, cwd=HERE)
+    if proc.returncode != 0:
+        sys.exit(proc.stderr[-3000:])
+    tiles, claims, entries, shape = parse(proc.stdout.splitlines())
+    if not tiles:
+        sys.exit("no MMTRACE lines: build with MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE (see the header)")
+    print(f"{args.model} T={args.tokens}")
+    out = summarize(tiles, claims, entries, shape)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(model=args.model, tokens=args.tokens, summary=out, tiles=tiles, claims=claims,
+                           entries=entries), f)
+
+
+if __name__ == "__main__":
+    main()
