@@ -235,6 +235,37 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_offset
   return t;
 }
 
+// decode_tile for a whole warp (every lane calls it with the same tile; every lane gets the result): the search
+// narrows the expert range 32-fold per round of 32 parallel loads (2 rounds for up to 1,024 experts), then
+// lanes 0-3 load the expert's offsets together: 3 L2 round trips where decode_tile takes ~log2(E) + 2 dependent
+// ones. NOTES: the FP8 tile trace (H100, 2026-11-23) had every CTA's first stage full only ~12 µs after its
+// first claim, T=1 and prefill alike; the dependent chain of the search sat before the first weight load.
+__device__ __forceinline__ TileInfo decode_tile_warp(int tile, const int* tile_offset, const int* expert_offset,
+                                                     int num_experts, int num_nblocks, int block_m) {
+  const int lane = threadIdx.x % 32;
+  // The expert is the last e with tile_offset[e] * num_nblocks <= tile (true for a prefix of e: the offsets
+  // never decrease, and tile_offset[0] = 0), and it lies in [lo, lo + n).
+  int lo = 0, n = num_experts;
+  while (n > 1) {
+    const int stride = (n + 31) / 32;
+    const bool in = lane * stride < n && __ldcg(tile_offset + lo + lane * stride) * num_nblocks <= tile;
+    const int below = __popc(__ballot_sync(0xffffffffu, in)) - 1;  // >= 0: lane 0 probes lo
+    lo += below * stride;
+    n = min(stride, n - below * stride);
+  }
+  TileInfo t;
+  t.expert = lo;
+  const int v = lane < 4 ? __ldcg((lane < 2 ? tile_offset : expert_offset) + lo + (lane & 1)) : 0;
+  const int first_block = __shfl_sync(0xffffffffu, v, 0), m_blocks = __shfl_sync(0xffffffffu, v, 1) - first_block;
+  const int first_row = __shfl_sync(0xffffffffu, v, 2), end_row = __shfl_sync(0xffffffffu, v, 3);
+  const int local = tile - first_block * num_nblocks;
+  t.n_block = local / m_blocks;  // token blocks innermost, as decode_tile
+  t.m_block = local % m_blocks;
+  t.row0 = first_row + t.m_block * block_m;
+  t.rows = min(block_m, end_row - t.row0);
+  return t;
+}
+
 // L2 epilogue copy-out (both weight formats): the staged bf16 tile [block_m][256] of output features goes to
 // the combine area of each row's token owner at (token, slot): local stores, or NVLink stores for a peer.
 // NOTES: each thread first loads the pool_src entries of all its rows, then stores: loads interleaved with

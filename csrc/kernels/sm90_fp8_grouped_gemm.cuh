@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       auto work_tile = [&](int tile) {
         WorkTile w;
         w.gemm = tile < num_l1_tiles ? 0 : 1;
-        static_cast<TileInfo&>(w) = decode_tile(tile - (w.gemm ? num_l1_tiles : 0), tile_offset, expert_offset,
+        static_cast<TileInfo&>(w) = decode_tile_warp(tile - (w.gemm ? num_l1_tiles : 0), tile_offset, expert_offset,
                                                 num_experts, w.gemm ? nblocks2 : nblocks1, kBlockM);
         return w;
       };
