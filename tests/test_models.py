@@ -38,3 +38,10 @@ def test_mxfp4_fp8_decode_bytes_and_fragments():
     model = load("mxfp4_fp8_decode")
     model.check_decode(num_words=4000)
     model.check_fragments()
+
+
+def test_warp_tile_decode_equals_binary_search():
+    """The FP8 producer's warp-wide tile decode (2 rounds up to 1,024 experts) finds the binary search's expert for
+    every tile of random expert-offset tables, empty experts included."""
+    model = load("warp_tile_decode")
+    assert model.check(num_tables=600) <= 3

@@ -238,8 +238,9 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_offset
 // decode_tile for a whole warp (every lane calls it with the same tile; every lane gets the result): the search
 // narrows the expert range 32-fold per round of 32 parallel loads (2 rounds for up to 1,024 experts), then
 // lanes 0-3 load the expert's offsets together: 3 L2 round trips where decode_tile takes ~log2(E) + 2 dependent
-// ones. NOTES: the FP8 tile trace (H100, 2026-11-23) had every CTA's first stage full only ~12 µs after its
-// first claim, T=1 and prefill alike; the dependent chain of the search sat before the first weight load.
+// ones, all before the tile's first weight load. NOTES: FP8 tile trace (H100, 2026-11-23): every CTA's first
+// stage was full ~12 µs after its first claim; with this search ~10 µs (the rest is the first loads themselves).
+// Model: docs/models/warp_tile_decode.py (tests/test_models.py).
 __device__ __forceinline__ TileInfo decode_tile_warp(int tile, const int* tile_offset, const int* expert_offset,
                                                      int num_experts, int num_nblocks, int block_m) {
   const int lane = threadIdx.x % 32;
