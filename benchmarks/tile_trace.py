@@ -1,11 +1,11 @@
 """Per-CTA tile timeline of the FP8 grouped GEMM (diagnostic; needs a build with MEGAMOE_TILE_TRACE).
 
     MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE python setup.py build_ext --inplace
-    python benchmarks/tile_trace.py [--model V4-Flash] [--tokens 1] [--json out.json]
+    python benchmarks/tile_trace.py [--model V4-Flash] [--tokens 1] [--no-flush] [--json out.json]
 
 Runs one call (after warm-up and an L2 flush) in a child process, whose kernels print, at exit, the global-timer
-stamps of each CTA's tiles: when the producer claimed the tile, when its first stage was full (consumers), when
-the main loop and the epilogue ended. Prints the walk's phases (µs from the first claim): L1 / L2 tile starts and
+stamps of each CTA's tiles: when the producer claimed the tile and issued its first weight load, when its first
+stage was full (consumers), when the main loop and the epilogue ended. Prints the walk's phases (µs from the first claim): L1 / L2 tile starts and
 ends, each tile's main-loop time and weight bytes per µs, how many CTAs hold a tile over time, and the gap
 between L1's last end and L2's first token stage.
 """
@@ -23,7 +23,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def child(model: str, tokens: int) -> None:
+def child(model: str, tokens: int, flush: bool) -> None:
     import torch
 
     import megamoe
@@ -47,7 +47,8 @@ def child(model: str, tokens: int) -> None:
 
     for _ in range(3):
         call()
-    bu.flush_l2()
+    if flush:
+        bu.flush_l2()
     torch.cuda.synchronize()
     libc.fflush(None)
     print("MMTRACE MARK", flush=True)
@@ -72,7 +73,7 @@ def parse(lines):
         elif f[1] == "SHAPE":
             shape = tuple(int(v) for v in f[2:])
         elif on and f[1] == "P":
-            claims.append(dict(cta=int(f[2]), sm=int(f[3]), tile=int(f[4]), claim=int(f[5])))
+            claims.append(dict(cta=int(f[2]), sm=int(f[3]), tile=int(f[4]), claim=int(f[5]), issue=int(f[6])))
         elif on and f[1] == "E":
             entries[int(f[2])] = int(f[4])
         elif on and f[1] == "C":
@@ -110,13 +111,21 @@ def summarize(tiles, claims, entries, shape) -> dict:
     for cta in {t["cta"] for t in tiles}:
         cs = sorted((c for c in claims if c["cta"] == cta), key=lambda c: c["claim"])
         ts = sorted((t for t in tiles if t["cta"] == cta), key=lambda t: t["start"])
-        for c, t in zip(cs, ts):
+        for n, (c, t) in enumerate(zip(cs, ts)):
             wait[t["gemm"]].append((t["start"] - c["claim"]) / 1e3)
+            if n == 0:  # the CTA's first tile: decode cost, then the first loads' latency
+                wait["decode"].append((c["issue"] - c["claim"]) / 1e3)
+                wait["load"].append((t["start"] - c["issue"]) / 1e3)
     for gemm, name in ((0, "L1"), (1, "L2")):
         if wait[gemm]:
             out[name]["claim_to_first_stage_us_median"] = statistics.median(wait[gemm])
             print(f"{name}: claim -> first stage full: median {statistics.median(wait[gemm]):.1f}, "
                   f"max {max(wait[gemm]):.1f} µs")
+    if wait["decode"]:
+        out["first_tile_claim_to_issue_us_median"] = statistics.median(wait["decode"])
+        out["first_tile_issue_to_full_us_median"] = statistics.median(wait["load"])
+        print(f"first tile of each CTA: claim -> first weight load issued {statistics.median(wait['decode']):.1f} µs "
+              f"(median), issued -> first stage full {statistics.median(wait['load']):.1f} µs")
     if "L1" in out and "L2" in out:
         print(f"L2 tiles whose first stage was full before L1's last end: "
               f"{sum(t['start'] - t0 < (out['L1']['last_end'] * 1e3) for t in tiles if t['gemm'] == 1)}")
@@ -138,13 +147,14 @@ def main() -> None:
     ap.add_argument("--model", default="V4-Flash")
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--json")
+    ap.add_argument("--no-flush", action="store_true", help="no L2 flush before the traced call (weights warm)")
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
     if args.child:
-        child(args.model, args.tokens)
+        child(args.model, args.tokens, not args.no_flush)
         return
-    proc = subprocess.run([sys.executable, __file__, "--child", "--model", args.model, "--tokens", str(args.tokens)],
-                          capture_output=True, text=True, cwd=HERE)
+    argv = [sys.executable, __file__, "--child", "--model", args.model, "--tokens", str(args.tokens)]
+    proc = subprocess.run(argv + (["--no-flush"] if args.no_flush else []), capture_output=True, text=True, cwd=HERE)
     if proc.returncode != 0:
         sys.exit(proc.stderr[-3000:])
     tiles, claims, entries, shape = parse(proc.stdout.splitlines())

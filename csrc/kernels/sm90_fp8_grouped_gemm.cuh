@@ -220,8 +220,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       uint32_t phase = 0;
       int tile = kFused ? 0 : static_cast<int>(blockIdx.x);
 #ifdef MEGAMOE_TILE_TRACE
-      int trace_n = 0, trace_tile[kTraceTiles];
-      uint64_t trace_claim[kTraceTiles];
+      int trace_n = 0, trace_cur = -1, trace_tile[kTraceTiles];  // trace_cur: the slot of the tile being issued
+      uint64_t trace_claim[kTraceTiles], trace_issue[kTraceTiles];  // claimed; first weight load issued
 #endif
       for (bool first = true;; first = false) {
         flush_pending();  // the previous tile's token parts (see Pending)
@@ -232,7 +232,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           tile += static_cast<int>(gridDim.x);
         }
 #ifdef MEGAMOE_TILE_TRACE
-        if (lane == 0 && trace_n < kTraceTiles) trace_tile[trace_n] = tile, trace_claim[trace_n++] = ptx::globaltimer_ns();
+        trace_cur = trace_n < kTraceTiles ? trace_n : -1;
+        if (lane == 0 && trace_cur >= 0) trace_tile[trace_n] = tile, trace_claim[trace_n++] = ptx::globaltimer_ns();
 #endif
         if (tile >= num_tiles) {
           // End marker: one more stage, no data, which the consumers read and stop at.
@@ -271,6 +272,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             if (kb == 0) tile_infos[stage] = t;
             ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + Smem::kTileB);
             ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w, &full[stage], kb * kBlockK, weight_row);
+#ifdef MEGAMOE_TILE_TRACE
+            if (kb == 0 && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
+#endif
           }
           // Weight scales of the tile's four 64-row chunks (lanes 0-3; chunks past n are never read).
           if (chunk_valid)
@@ -289,8 +293,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #ifdef MEGAMOE_TILE_TRACE
       if (lane == 0)
         for (int i = 0; i < trace_n; ++i)
-          printf("MMTRACE P %d %u %d %llu\n", blockIdx.x, trace_smid(), trace_tile[i],
-                 static_cast<unsigned long long>(trace_claim[i]));
+          printf("MMTRACE P %d %u %d %llu %llu\n", blockIdx.x, trace_smid(), trace_tile[i],
+                 static_cast<unsigned long long>(trace_claim[i]),
+                 static_cast<unsigned long long>(trace_tile[i] < num_tiles ? trace_issue[i] : trace_claim[i]));
 #endif
     }
     return;
