@@ -12,6 +12,10 @@ as it lands (no consumer work). Patterns:
   contiguous  one 1D bulk copy (cp.async.bulk) per stage;
   rows        the weight-tile walk of the grouped GEMMs: a stage is stage_bytes / 128 rows of 128 bytes,
               row stride 4096 (an L1 weight matrix of V4-Flash), K innermost; 128-byte bulk copies.
+  tensor      the same walk as the GEMMs issue it: one TMA tensor box per stage (128 bytes x stage_bytes / 128
+              rows of a [rows, 4096] uint8 map, 128B swizzle, L2 promotion 256 B: the GEMMs' weight maps).
+The "tile" cases stream 1 MB per CTA on 96 CTAs, one V4-Flash T=1 L1 weight tile per SM as the fused GEMM
+runs it: their time, ramp and tail included, is what the L1 phase would take with no consumer in the way.
 
     python3 benchmarks/probe_stream.py [--json out.json]
 """
@@ -31,6 +35,7 @@ from torch.utils.cpp_extension import load_inline  # noqa: E402
 import bench_utils as bu  # noqa: E402
 
 CUDA_SRC = r"""
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdint>
 
@@ -38,9 +43,10 @@ __device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<ui
 
 __global__ void __launch_bounds__(32, 1) stream_kernel(const uint8_t* src, int64_t bytes_per_cta, int stage_bytes,
                                                        int stages, int rows_pattern, int row_stride,
-                                                       int64_t wrap_bytes) {
+                                                       int64_t wrap_bytes, const __grid_constant__ CUtensorMap tmap) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (saddr(smem_raw) & 1023)) & 1023);  // 128B-swizzled boxes: 1 KB aligned
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + int64_t(stages) * stage_bytes);
   const int lane = threadIdx.x;
   // With wrap_bytes > 0 each CTA re-reads its first wrap_bytes (L2-resident when they all fit).
@@ -59,7 +65,14 @@ __global__ void __launch_bounds__(32, 1) stream_kernel(const uint8_t* src, int64
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(&full[s])), "r"(stage_bytes)
                    : "memory");
     __syncwarp();
-    if (!rows_pattern) {
+    if (rows_pattern == 2) {
+      // Stage i: column chunk i % chunks of this CTA's row block i / chunks, as one tensor box.
+      const int row0 = static_cast<int>((blockIdx.x * (bytes_per_cta / (int64_t(rows) * row_stride)) + i / chunks) * rows);
+      if (lane == 0)
+        asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+                     ::"r"(saddr(dst)), "l"(reinterpret_cast<uint64_t>(&tmap)), "r"(saddr(&full[s])),
+                     "r"(static_cast<int>(i % chunks) * 128), "r"(row0) : "memory");
+    } else if (!rows_pattern) {
       const uint8_t* from = base + (wrap_bytes > 0 ? i * stage_bytes % wrap_bytes : i * stage_bytes);
       if (lane == 0)
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
@@ -87,14 +100,15 @@ __global__ void __launch_bounds__(32, 1) stream_kernel(const uint8_t* src, int64
 }
 
 cudaError_t launch_stream(const uint8_t* src, int num_ctas, int64_t bytes_per_cta, int stage_bytes, int stages,
-                          bool rows_pattern, int row_stride, int64_t wrap_bytes, cudaStream_t stream) {
+                          int rows_pattern, int row_stride, int64_t wrap_bytes, const CUtensorMap& tmap,
+                          cudaStream_t stream) {
   // At least 116 KB so that two CTAs never share an SM (one streaming warp per SM, as in the GEMMs).
-  const int used = stages * stage_bytes + stages * 8;
+  const int used = stages * stage_bytes + stages * 8 + 1024;
   const int smem = used > 116 * 1024 ? used : 116 * 1024;
   const cudaError_t err = cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  stream_kernel<<<num_ctas, 32, smem, stream>>>(src, bytes_per_cta, stage_bytes, stages, rows_pattern ? 1 : 0,
-                                                 row_stride, wrap_bytes);
+  stream_kernel<<<num_ctas, 32, smem, stream>>>(src, bytes_per_cta, stage_bytes, stages, rows_pattern, row_stride,
+                                                 wrap_bytes, tmap);
   return cudaGetLastError();
 }
 """
@@ -102,29 +116,58 @@ cudaError_t launch_stream(const uint8_t* src, int num_ctas, int64_t bytes_per_ct
 CPP_SRC = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 cudaError_t launch_stream(const uint8_t* src, int num_ctas, int64_t bytes_per_cta, int stage_bytes, int stages,
-                          bool rows_pattern, int row_stride, int64_t wrap_bytes, cudaStream_t stream);
+                          int rows_pattern, int row_stride, int64_t wrap_bytes, const CUtensorMap& tmap,
+                          cudaStream_t stream);
 
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// pattern: 0 contiguous, 1 rows, 2 tensor (see the module docstring).
 void stream(torch::Tensor src, int64_t num_ctas, int64_t bytes_per_cta, int64_t stage_bytes, int64_t stages,
-            bool rows_pattern, int64_t row_stride, int64_t wrap_bytes) {
+            int64_t rows_pattern, int64_t row_stride, int64_t wrap_bytes) {
+  CUtensorMap tmap{};
+  if (rows_pattern == 2) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    TORCH_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status) ==
+                    cudaSuccess && fn != nullptr, "cuTensorMapEncodeTiled: not available");
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(row_stride), static_cast<cuuint64_t>(src.numel() / row_stride)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride)};
+    const cuuint32_t box[2] = {128, static_cast<cuuint32_t>(stage_bytes / 128)};
+    const cuuint32_t elem_strides[2] = {1, 1};
+    const CUresult r = reinterpret_cast<EncodeTiledFn>(fn)(
+        &tmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, src.data_ptr(), dims, strides, box, elem_strides,
+        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    TORCH_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed: ", int(r));
+  }
   TORCH_CHECK(src.is_cuda() && src.numel() >= num_ctas * bytes_per_cta, "src: too small");
   const int64_t row_block = stage_bytes / 128 * row_stride;  // rows pattern: bytes of one block of rows
   TORCH_CHECK(bytes_per_cta % stage_bytes == 0 && (!rows_pattern || bytes_per_cta % row_block == 0),
               "bytes_per_cta: must hold whole stages (rows pattern: whole row blocks)");
   const cudaError_t err = launch_stream(src.data_ptr<uint8_t>(), static_cast<int>(num_ctas), bytes_per_cta,
-                                        static_cast<int>(stage_bytes), static_cast<int>(stages), rows_pattern,
-                                        static_cast<int>(row_stride), wrap_bytes, c10::cuda::getCurrentCUDAStream());
+                                        static_cast<int>(stage_bytes), static_cast<int>(stages),
+                                        static_cast<int>(rows_pattern), static_cast<int>(row_stride), wrap_bytes, tmap,
+                                        c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "stream_kernel: ", cudaGetErrorString(err));
 }
 """
+
+
+PATTERNS = ("contiguous", "rows", "tensor")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--bytes-per-cta", type=int, default=4 << 20)
+    ap.add_argument("--patterns", default="contiguous,rows,tensor,L2,tile",
+                    help="comma list of HBM patterns (contiguous, rows, tensor), L2 and tile (1 MB per CTA)")
     args = ap.parse_args()
     mod = load_inline("megamoe_probe_stream", CPP_SRC, cuda_sources=CUDA_SRC, functions=["stream"],
                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"], verbose=False)
@@ -136,16 +179,22 @@ def main():
     copy_tbs = bu.measure_copy_bandwidth() / 1e12
     print(f"{props.name}: {sms} SMs, device copy {copy_tbs:.2f} TB/s (read + write)")
     rows = []
-    print(f"{'source':6} {'pattern':10} {'SMs':>4} {'stages':>6} {'stage KB':>8} {'in flight KB':>12} {'TB/s':>6} "
-          f"{'/ copy':>6} {'GB/s per SM':>11}")
+    print(f"{'source':6} {'pattern':10} {'SMs':>4} {'MB/SM':>5} {'stages':>6} {'stage KB':>8} {'in flight KB':>12} "
+          f"{'µs':>7} {'TB/s':>6} {'/ copy':>6} {'GB/s per SM':>11}")
     # HBM: every CTA streams its own 4 MB (L2 flushed before each run). L2: every CTA re-reads its own 128 KB
     # (17 MB in all at 132 SMs, L2-resident after the warm-up), the regime of the T=8192 GEMMs, whose weight
     # tiles are shared by the CTAs of an expert's token blocks and mostly served by L2.
-    cases = [("HBM", p, sb, st) for p in ("contiguous", "rows")
-             for sb, st in ((32768, 2), (32768, 4), (32768, 6), (16384, 12), (65536, 3))]
-    cases += [("L2", "contiguous", sb, st) for sb, st in ((32768, 2), (32768, 4), (32768, 6), (16384, 12))]
-    for source, pattern, stage_bytes, stages in cases:
-        for n in (16, 48, 96, 132):
+    patterns = args.patterns.split(",")
+    cases = [("HBM", p, sb, st, per_cta, (16, 48, 96, 132)) for p in ("contiguous", "rows", "tensor") if p in patterns
+             for sb, st in ((32768, 2), (32768, 3), (32768, 4), (32768, 6), (16384, 12), (65536, 3))
+             if p != "tensor" or sb <= 32768]  # a TMA box has at most 256 rows
+    if "L2" in patterns:
+        cases += [("L2", "contiguous", sb, st, per_cta, (16, 48, 96, 132))
+                  for sb, st in ((32768, 2), (32768, 4), (32768, 6), (16384, 12))]
+    if "tile" in patterns:
+        cases += [("HBM", p, 32768, st, 1 << 20, (96, 132)) for p in ("contiguous", "tensor") for st in (3, 6)]
+    for source, pattern, stage_bytes, stages, per_cta, sm_counts in cases:
+        for n in sm_counts:
             n = min(n, sms)
             wrap = 128 << 10 if source == "L2" else 0
             # L2 cases keep L2 warm and time 8 launches back to back (one ~60 us launch would also time the
@@ -155,16 +204,16 @@ def main():
 
             def call():
                 for _ in range(reps):
-                    mod.stream(src, n, per_cta, stage_bytes, stages, pattern == "rows", 4096, wrap)
+                    mod.stream(src, n, per_cta, stage_bytes, stages, PATTERNS.index(pattern), 4096, wrap)
 
             us = bu.time_events(call, iters=15, flush=source == "HBM") / reps
             tbs = n * (per_cta // stage_bytes * stage_bytes) / us / 1e6
-            row = dict(source=source, pattern=pattern, sms=n, stages=stages, stage_bytes=stage_bytes,
+            row = dict(source=source, pattern=pattern, sms=n, stages=stages, stage_bytes=stage_bytes, bytes_per_cta=per_cta,
                        us=round(us, 1), tb_per_s=round(tbs, 3), over_copy=round(tbs / copy_tbs, 3),
                        gb_per_s_per_sm=round(tbs * 1000 / n, 1))
             rows.append(row)
-            print(f"{source:6} {pattern:10} {n:4d} {stages:6d} {stage_bytes // 1024:8d} "
-                  f"{stages * stage_bytes // 1024:12d} {tbs:6.2f} {tbs / copy_tbs:6.2f} "
+            print(f"{source:6} {pattern:10} {n:4d} {per_cta / 2**20:5g} {stages:6d} {stage_bytes // 1024:8d} "
+                  f"{stages * stage_bytes // 1024:12d} {us:7.1f} {tbs:6.2f} {tbs / copy_tbs:6.2f} "
                   f"{row['gb_per_s_per_sm']:11.1f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
