@@ -15,7 +15,8 @@ as it lands (no consumer work). Patterns:
   tensor      the same walk as the GEMMs issue it: one TMA tensor box per stage (128 bytes x stage_bytes / 128
               rows of a [rows, 4096] uint8 map, 128B swizzle, L2 promotion 256 B: the GEMMs' weight maps).
 The "tile" cases stream 1 MB per CTA on 96 CTAs, one V4-Flash T=1 L1 weight tile per SM as the fused GEMM
-runs it: their time, ramp and tail included, is what the L1 phase would take with no consumer in the way.
+runs it: their time, ramp and tail included, is what the L1 phase would take with no consumer in the way. The
+"dynamic" cases stream the same 96 tiles in units (1 MB to 64 KB) that CTAs take from an atomic counter.
 
     python3 benchmarks/probe_stream.py [--json out.json]
 """
@@ -99,6 +100,58 @@ __global__ void __launch_bounds__(32, 1) stream_kernel(const uint8_t* src, int64
 #endif
 }
 
+// Dynamic units: the same tensor-box walk over num_tiles 256-row tiles of the map, cut into units of
+// unit_chunks 128-byte K chunks (32 KB stages), units handed out by an atomic counter (one thread streams, the
+// ring spans units): a CTA that the memory system serves slowly takes fewer units, so the CTAs end together.
+// The counter only grows: this launch's units are the values in [base, base + num_units).
+__global__ void __launch_bounds__(32, 1) dynamic_kernel(int* counter, int base, int num_tiles, int chunks,
+                                                        int unit_chunks, int stages,
+                                                        const __grid_constant__ CUtensorMap tmap) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (saddr(smem_raw) & 1023)) & 1023);
+  constexpr int kStageBytes = 32768;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + int64_t(stages) * kStageBytes);
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < stages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&full[s])));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const int units_per_tile = chunks / unit_chunks, num_units = num_tiles * units_per_tile;
+  int unit = atomicAdd(counter, 1) - base, chunk = 0;
+  int64_t issued = 0, done = 0;
+  for (;;) {
+    while (issued - done < stages && unit < num_units) {
+      const int s = static_cast<int>(issued % stages);
+      const int tile = unit / units_per_tile, c = (unit % units_per_tile) * unit_chunks + chunk;
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(&full[s])), "r"(kStageBytes)
+                   : "memory");
+      asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+                   ::"r"(saddr(smem + int64_t(s) * kStageBytes)), "l"(reinterpret_cast<uint64_t>(&tmap)),
+                   "r"(saddr(&full[s])), "r"(c * 128), "r"(tile * 256) : "memory");
+      ++issued;
+      if (++chunk == unit_chunks) chunk = 0, unit = atomicAdd(counter, 1) - base;
+    }
+    if (done == issued) break;
+    const int s = static_cast<int>(done % stages);
+    const uint32_t parity = static_cast<uint32_t>((done / stages) & 1);
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n}\n" ::"r"(saddr(&full[s])), "r"(parity) : "memory");
+    ++done;
+  }
+#endif
+}
+
+cudaError_t launch_dynamic(int* counter, int base, int num_ctas, int num_tiles, int chunks, int unit_chunks,
+                           int stages, const CUtensorMap& tmap, cudaStream_t stream) {
+  const int used = stages * 32768 + stages * 8 + 1024;
+  const int smem = used > 116 * 1024 ? used : 116 * 1024;
+  const cudaError_t err = cudaFuncSetAttribute(dynamic_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  dynamic_kernel<<<num_ctas, 32, smem, stream>>>(counter, base, num_tiles, chunks, unit_chunks, stages, tmap);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_stream(const uint8_t* src, int num_ctas, int64_t bytes_per_cta, int stage_bytes, int stages,
                           int rows_pattern, int row_stride, int64_t wrap_bytes, const CUtensorMap& tmap,
                           cudaStream_t stream) {
@@ -127,11 +180,13 @@ using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t
                                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                    CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-// pattern: 0 contiguous, 1 rows, 2 tensor (see the module docstring).
-void stream(torch::Tensor src, int64_t num_ctas, int64_t bytes_per_cta, int64_t stage_bytes, int64_t stages,
-            int64_t rows_pattern, int64_t row_stride, int64_t wrap_bytes) {
+cudaError_t launch_dynamic(int* counter, int base, int num_ctas, int num_tiles, int chunks, int unit_chunks,
+                           int stages, const CUtensorMap& tmap, cudaStream_t stream);
+
+// src as a [rows, row_stride] uint8 tensor map with boxes of 128 bytes x stage_bytes / 128 rows (the GEMMs' maps).
+static CUtensorMap make_map(torch::Tensor src, int64_t row_stride, int64_t stage_bytes) {
   CUtensorMap tmap{};
-  if (rows_pattern == 2) {
+  {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status;
     TORCH_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status) ==
@@ -146,6 +201,24 @@ void stream(torch::Tensor src, int64_t num_ctas, int64_t bytes_per_cta, int64_t 
         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     TORCH_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed: ", int(r));
   }
+  return tmap;
+}
+
+void dynamic(torch::Tensor src, torch::Tensor counter, int64_t base, int64_t num_ctas, int64_t num_tiles,
+             int64_t unit_chunks, int64_t stages) {
+  TORCH_CHECK(src.is_cuda() && src.numel() >= num_tiles * 256 * 4096, "src: too small");
+  TORCH_CHECK(32 % unit_chunks == 0, "unit_chunks: must divide 32");
+  const CUtensorMap tmap = make_map(src, 4096, 32768);
+  const cudaError_t err = launch_dynamic(counter.data_ptr<int>(), static_cast<int>(base), static_cast<int>(num_ctas),
+                                         static_cast<int>(num_tiles), 32, static_cast<int>(unit_chunks),
+                                         static_cast<int>(stages), tmap, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "dynamic_kernel: ", cudaGetErrorString(err));
+}
+
+// pattern: 0 contiguous, 1 rows, 2 tensor (see the module docstring).
+void stream(torch::Tensor src, int64_t num_ctas, int64_t bytes_per_cta, int64_t stage_bytes, int64_t stages,
+            int64_t rows_pattern, int64_t row_stride, int64_t wrap_bytes) {
+  const CUtensorMap tmap = rows_pattern == 2 ? make_map(src, row_stride, stage_bytes) : CUtensorMap{};
   TORCH_CHECK(src.is_cuda() && src.numel() >= num_ctas * bytes_per_cta, "src: too small");
   const int64_t row_block = stage_bytes / 128 * row_stride;  // rows pattern: bytes of one block of rows
   TORCH_CHECK(bytes_per_cta % stage_bytes == 0 && (!rows_pattern || bytes_per_cta % row_block == 0),
@@ -166,10 +239,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--bytes-per-cta", type=int, default=4 << 20)
-    ap.add_argument("--patterns", default="contiguous,rows,tensor,L2,tile",
-                    help="comma list of HBM patterns (contiguous, rows, tensor), L2 and tile (1 MB per CTA)")
+    ap.add_argument("--patterns", default="contiguous,rows,tensor,L2,tile,dynamic",
+                    help="comma list of HBM patterns (contiguous, rows, tensor), L2, tile (1 MB per CTA) and dynamic "
+                         "(96 tiles of 1 MB in units from an atomic counter)")
     args = ap.parse_args()
-    mod = load_inline("megamoe_probe_stream", CPP_SRC, cuda_sources=CUDA_SRC, functions=["stream"],
+    mod = load_inline("megamoe_probe_stream", CPP_SRC, cuda_sources=CUDA_SRC, functions=["stream", "dynamic"],
                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"], verbose=False)
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
@@ -215,6 +289,29 @@ def main():
             print(f"{source:6} {pattern:10} {n:4d} {per_cta / 2**20:5g} {stages:6d} {stage_bytes // 1024:8d} "
                   f"{stages * stage_bytes // 1024:12d} {us:7.1f} {tbs:6.2f} {tbs / copy_tbs:6.2f} "
                   f"{row['gb_per_s_per_sm']:11.1f}", flush=True)
+    if "dynamic" in patterns:
+        # 96 tiles of 1 MB (V4-Flash T=1's L1 weights) in units handed out by an atomic counter, against the
+        # static walk above (one tile per CTA): does dynamic hand-out end the CTAs together (no tail)?
+        counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+        base = [0]
+        tiles = 96
+        print(f"{'dynamic':17} {'SMs':>4} {'unit KB':>7} {'stages':>6} {'µs':>7} {'TB/s':>6} {'/ copy':>6}")
+        for n in (96, 132):
+            for unit_chunks in (32, 8, 4, 2):
+                for stages in (3, 6):
+                    def call():
+                        mod.dynamic(src, counter, base[0], n, tiles, unit_chunks, stages)
+                        base[0] += tiles * (32 // unit_chunks) + n  # each CTA's last claim overshoots once
+
+                    us = bu.time_events(call, iters=15, flush=True)
+                    tbs = tiles * (1 << 20) / us / 1e6
+                    rows.append(dict(source="HBM", pattern="dynamic", sms=n, stages=stages, stage_bytes=32768,
+                                     unit_bytes=unit_chunks * 32768, total_bytes=tiles << 20, us=round(us, 1),
+                                     tb_per_s=round(tbs, 3), over_copy=round(tbs / copy_tbs, 3)))
+                    print(f"{'HBM tensor units':17} {n:4d} {unit_chunks * 32:7d} {stages:6d} {us:7.1f} {tbs:6.2f} "
+                          f"{tbs / copy_tbs:6.2f}", flush=True)
+        torch.cuda.synchronize()
+        assert counter.item() == base[0], "dynamic units: the claim count does not match (a unit was lost)"
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=props.name, copy_tb_per_s=round(copy_tbs, 3), rows=rows), f, indent=1)
