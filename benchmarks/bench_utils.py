@@ -2,6 +2,7 @@
 measured in the same run (copy bandwidth, dense FP8 matmul rate)."""
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Callable
 
@@ -11,11 +12,16 @@ _FLUSH = None
 
 
 def flush_l2() -> None:
-    """Evict the L2 cache (50-60 MB on H100/H200) by writing a 256 MB buffer."""
+    """Evict the L2 cache (50-60 MB on H100/H200) with a 256 MB buffer: MEGAMOE_BENCH_FLUSH=dirty (default) writes it,
+    which leaves the L2 full of dirty lines that the timed kernel then writes back; =clean also reads a second
+    256 MB buffer afterwards, which writes those back before the timed kernel and leaves clean lines."""
     global _FLUSH
     if _FLUSH is None:
-        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    _FLUSH.zero_()
+        _FLUSH = torch.empty(2, 256 << 20, dtype=torch.uint8, device="cuda")
+        _FLUSH[1].random_(0, 256)
+    _FLUSH[0].zero_()
+    if os.environ.get("MEGAMOE_BENCH_FLUSH", "dirty") == "clean":
+        _FLUSH[1].view(torch.int64).amax()
 
 
 def time_graph(fn: Callable[[], None], *, iters: int = 20, warmup: int = 3, flush: bool = True) -> float:
