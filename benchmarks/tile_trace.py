@@ -1,13 +1,15 @@
 """Per-CTA tile timeline of the FP8 grouped GEMM (diagnostic; needs a build with MEGAMOE_TILE_TRACE).
 
     MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE python setup.py build_ext --inplace
-    python benchmarks/tile_trace.py [--model V4-Flash] [--tokens 1] [--no-flush] [--json out.json]
+    python benchmarks/tile_trace.py [--model V4-Flash] [--tokens 1] [--no-flush] [--graph] [--json out.json]
 
 Runs one call (after warm-up and an L2 flush) in a child process, whose kernels print, at exit, the global-timer
 stamps of each CTA's tiles: when the producer claimed the tile and issued its first weight load, when its first
 stage was full (consumers), when the main loop and the epilogue ended. Prints the walk's phases (µs from the first claim): L1 / L2 tile starts and
 ends, each tile's main-loop time and weight bytes per µs, how many CTAs hold a tile over time, and the gap
-between L1's last end and L2's first token stage.
+between L1's last end and L2's first token stage; then the launch chain around it (pre_dispatch, routing with its
+phases, gather, the GEMM's dependency wait, combine: each block's entry, wait exit and end). --graph traces a
+replay of the call captured in a CUDA graph (the launch chain as a server sees it).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def child(model: str, tokens: int, flush: bool) -> None:
+def child(model: str, tokens: int, flush: bool, graph: bool) -> None:
     import torch
 
     import megamoe
@@ -47,6 +49,14 @@ def child(model: str, tokens: int, flush: bool) -> None:
 
     for _ in range(3):
         call()
+    if graph:  # the traced call is a replay of the call captured in a CUDA graph, as a server runs it
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        call = g.replay
+        for _ in range(2):
+            call()
     if flush:
         bu.flush_l2()
     torch.cuda.synchronize()
@@ -60,14 +70,14 @@ def child(model: str, tokens: int, flush: bool) -> None:
 
 
 def parse(lines):
-    cta_tiles, claims, entries, shape = [], [], {}, None
+    cta_tiles, claims, entries, kernels, shape = [], [], {}, [], None
     on = False
     for line in lines:
         f = line.split()
         if len(f) < 2 or f[0] != "MMTRACE":
             continue
         if f[1] == "MARK":
-            on, cta_tiles, claims, entries = True, [], [], {}
+            on, cta_tiles, claims, entries, kernels = True, [], [], {}, []
         elif f[1] == "END":
             on = False
         elif f[1] == "SHAPE":
@@ -76,10 +86,39 @@ def parse(lines):
             claims.append(dict(cta=int(f[2]), sm=int(f[3]), tile=int(f[4]), claim=int(f[5]), issue=int(f[6])))
         elif on and f[1] == "E":
             entries[int(f[2])] = int(f[4])
+            kernels.append(dict(kernel="gemm", block=int(f[2]), stamps=[int(f[5]), int(f[4])]))
+        elif on and f[1] == "K":
+            n = int(f[4])
+            kernels.append(dict(kernel=f[2], block=int(f[3]), stamps=[int(v) for v in f[5:5 + n]]))
         elif on and f[1] == "C":
             cta_tiles.append(dict(cta=int(f[2]), sm=int(f[3]), gemm=int(f[4]), expert=int(f[5]), n_block=int(f[6]),
                                   rows=int(f[7]), start=int(f[8]), main_end=int(f[9]), end=int(f[10])))
-    return cta_tiles, claims, entries, shape
+    return cta_tiles, claims, entries, kernels, shape
+
+
+def chain(kernels, t0) -> dict:
+    """The launch chain around the GEMM: per kernel, its blocks' first entry, dependency-wait exits and last end
+    (µs from the GEMM's first claim; earlier kernels are negative), and the routing block's phase stamps."""
+    out = {}
+    us = lambda ns: (ns - t0) / 1e3  # noqa: E731
+    names = sorted({k["kernel"] for k in kernels}, key=lambda n: min(k["stamps"][0] for k in kernels if k["kernel"] == n))
+    print("launch chain (µs from the GEMM's first claim): kernel, blocks, first entry, dependency wait done "
+          "(first - last), last end")
+    for name in names:
+        ks = [k for k in kernels if k["kernel"] == name]
+        row = dict(blocks=len(ks), entry=us(min(k["stamps"][0] for k in ks)),
+                   waited_first=us(min(k["stamps"][1] for k in ks)), waited_last=us(max(k["stamps"][1] for k in ks)),
+                   end=us(max(k["stamps"][-1] for k in ks)) if name != "gemm" else None)
+        out[name] = row
+        end = f"{row['end']:7.1f}" if row["end"] is not None else "      -"
+        print(f"  {name:13s} {row['blocks']:4d} {row['entry']:7.1f} {row['waited_first']:7.1f} - "
+              f"{row['waited_last']:7.1f} {end}")
+        if name == "routing":
+            stamps = [us(v) for v in ks[0]["stamps"]]
+            out[name]["phases"] = stamps
+            print("    routing phases (entry, waited, counted, scanned, scattered): "
+                  + " ".join(f"{v:.2f}" for v in stamps))
+    return out
 
 
 def summarize(tiles, claims, entries, shape) -> dict:
@@ -148,20 +187,24 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--json")
     ap.add_argument("--no-flush", action="store_true", help="no L2 flush before the traced call (weights warm)")
+    ap.add_argument("--graph", action="store_true", help="trace a CUDA-graph replay of the call (default: eager)")
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
     if args.child:
-        child(args.model, args.tokens, not args.no_flush)
+        child(args.model, args.tokens, not args.no_flush, args.graph)
         return
     argv = [sys.executable, __file__, "--child", "--model", args.model, "--tokens", str(args.tokens)]
-    proc = subprocess.run(argv + (["--no-flush"] if args.no_flush else []), capture_output=True, text=True, cwd=HERE)
+    argv += (["--no-flush"] if args.no_flush else []) + (["--graph"] if args.graph else [])
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=HERE)
     if proc.returncode != 0:
         sys.exit(proc.stderr[-3000:])
-    tiles, claims, entries, shape = parse(proc.stdout.splitlines())
+    tiles, claims, entries, kernels, shape = parse(proc.stdout.splitlines())
     if not tiles:
         sys.exit("no MMTRACE lines: build with MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE (see the header)")
     print(f"{args.model} T={args.tokens}")
     out = summarize(tiles, claims, entries, shape)
+    if kernels:
+        out["chain"] = chain(kernels, min(c["claim"] for c in claims))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=args.model, tokens=args.tokens, summary=out, tiles=tiles, claims=claims,

@@ -44,6 +44,28 @@ void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t sme
   MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
+// Global-timer stamps of one block's phases (diagnostic build only, MEGAMOE_TILE_TRACE; benchmarks/tile_trace.py
+// lays them out before the GEMM's tiles): printed at the block's exit as "MMTRACE K <kernel> <block> <ns>...", so
+// the launch chain (pre_dispatch -> routing -> gather -> GEMM -> combine) can be read in one timeline. In other
+// builds every call is empty and compiles away.
+struct PhaseStamps {
+#ifdef MEGAMOE_TILE_TRACE
+  static constexpr int kMax = 6;
+  unsigned long long t[kMax] = {};
+  int n = 0;
+  __device__ __forceinline__ void stamp() {
+    if (n < kMax) t[n++] = ptx::globaltimer_ns();
+  }
+  __device__ void print(const char* kernel) const {
+    printf("MMTRACE K %s %d %d %llu %llu %llu %llu %llu %llu\n", kernel, blockIdx.x, n, t[0], t[1], t[2], t[3], t[4],
+           t[5]);
+  }
+#else
+  __device__ __forceinline__ void stamp() {}
+  __device__ __forceinline__ void print(const char*) const {}
+#endif
+};
+
 // Raises a kernel's dynamic shared-memory limit on the current device, once per (kernel, device): the
 // attribute is per device, so one process driving several GPUs needs it on each (a process-wide once flag
 // let the second device's launch fail).

@@ -303,6 +303,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   // ========================================================================== consumers
   ptx::setmaxnreg_inc<232>();
+#ifdef MEGAMOE_TILE_TRACE
+  const uint64_t trace_launch = ptx::globaltimer_ns();  // before the grid dependency wait
+#endif
   ptx::grid_dependency_wait();  // token tiles, scales and routing rows come from earlier kernels
   ptx::launch_dependents();
   const int consumer = warpgroup - 1;                 // owns weight rows [128 c, 128 c + 128) of the tile
@@ -476,7 +479,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
 #ifdef MEGAMOE_TILE_TRACE
   if (ctid == 0) {
-    printf("MMTRACE E %d %u %llu\n", blockIdx.x, trace_smid(), static_cast<unsigned long long>(trace_entry));
+    printf("MMTRACE E %d %u %llu %llu\n", blockIdx.x, trace_smid(), static_cast<unsigned long long>(trace_entry),
+           static_cast<unsigned long long>(trace_launch));
     for (int i = 0; i < trace_n; ++i)
       printf("MMTRACE C %d %u %d %d %d %d %llu %llu %llu\n", blockIdx.x, trace_smid(), trace_info[i][0],
              trace_info[i][1], trace_info[i][2], trace_info[i][3], static_cast<unsigned long long>(trace_t[i][0]),

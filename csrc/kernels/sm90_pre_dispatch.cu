@@ -22,8 +22,11 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
                                                                 const float* __restrict__ topk_weights,
                                                                 uint8_t* __restrict__ buffer,
                                                                 layout::BufferLayout l, int num_tokens) {
+  PhaseStamps trace;  // entry, after the dependency wait, end (diagnostic builds only)
+  trace.stamp();
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
+  trace.stamp();
   const int token = blockIdx.x;
   if (token == 0 && threadIdx.x < layout::kNumErrorWords) {
     // The error word describes the bad input of this call only. NOTES: cleared here, not by a memset before
@@ -109,6 +112,8 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
       if (leader) sf[blk] = block_sf.__x;
     }
   }
+  trace.stamp();
+  if (threadIdx.x == 0) trace.print("pre_dispatch");
 }
 
 template <ActRecipe kRecipe>

@@ -60,8 +60,11 @@ __device__ __forceinline__ void for_each_slot(const int* ids, int n, F&& f) {
 // by exactly one tile with a fixed summation order, so results are deterministic.
 __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffer, layout::BufferLayout l, int rank,
                                                                   int num_tokens, int block_m, int* recv_stats) {
+  PhaseStamps trace;  // entry, after the dependency wait, counted, scanned, end (diagnostic builds only)
+  trace.stamp();
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
+  trace.stamp();
   extern __shared__ int smem[];
   const int num_experts = static_cast<int>(l.num_local_experts);
   const int num_ranks = static_cast<int>(l.num_ranks);
@@ -111,6 +114,7 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
     });
   }
   __syncthreads();
+  trace.stamp();
 
   // Exclusive scans of rows and token blocks by warp 0 (each lane owns a contiguous expert range).
   int* expert_count = reinterpret_cast<int*>(buffer + l.expert_count_offset);
@@ -143,6 +147,7 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
     if (lane == 31) expert_offset[num_experts] = rows_before, tile_offset[num_experts] = tiles_before, sched[0] = 0;
   }
   __syncthreads();
+  trace.stamp();
 
   int* pool_src = reinterpret_cast<int*>(buffer + l.pool_src_offset);
   for (int r = 0; r < num_ranks; ++r) {
@@ -152,6 +157,8 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
       if (e >= 0) pool_src[atomicAdd(&cursor[e], 1)] = r * rank_slots + i;
     });
   }
+  trace.stamp();
+  if (threadIdx.x == 0) trace.print("routing");
 }
 
 constexpr int kSfPerLane = 4;  // scale elements a lane loads with its row (FP8: 1; MXFP4 tokens: <= 4)
@@ -162,8 +169,11 @@ constexpr int kSfPerLane = 4;  // scale elements a lane loads with its row (FP8:
 constexpr int kGatherThreads = 256;
 __global__ void __launch_bounds__(kGatherThreads, 4) gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elems, int sf_elem_bytes,
                               bool has_global_sf) {
+  PhaseStamps trace;  // entry, after the dependency wait, end (diagnostic builds only)
+  trace.stamp();
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
+  trace.stamp();
   const int num_rows = __ldcg(reinterpret_cast<const int*>(buffer + l.expert_offset_offset) + l.num_local_experts);
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * blockDim.x / 32;
@@ -230,6 +240,8 @@ __global__ void __launch_bounds__(kGatherThreads, 4) gather_kernel(uint8_t* buff
     }
     src = next_src;
   }
+  trace.stamp();
+  if (threadIdx.x == 0) trace.print("gather");
 }
 
 // Blocks (token stride, 1024-channel chunk); 8 channels a thread; slots summed in slot order in float32.
@@ -242,8 +254,11 @@ constexpr int kCombineThreads = 128;
 constexpr int kCombineSlots = 8;  // slots of a token whose rows are loaded together (any top_k: in chunks)
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16* y, uint8_t* buffer,
                                                                   layout::BufferLayout l, int rank, int num_tokens) {
+  PhaseStamps trace;  // entry, after the dependency wait, end (diagnostic builds only)
+  trace.stamp();
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
+  trace.stamp();
   const int top_k = static_cast<int>(l.top_k), hidden = static_cast<int>(l.hidden);
   bool zero = false;  // the peer table is not this call's symmetric buffer: routing produced no row
   if (l.num_ranks > 1) {
@@ -291,6 +306,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16*
     for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16_rn(acc[i]);
     *reinterpret_cast<uint4*>(y + int64_t(token) * hidden + c) = out;
   }
+  trace.stamp();
+  if (threadIdx.x == 0 && blockIdx.y == 0) trace.print("combine");
 }
 
 }  // namespace
