@@ -9,7 +9,9 @@ stage was full (consumers), when the main loop and the epilogue ended. Prints th
 ends, each tile's main-loop time and weight bytes per µs, how many CTAs hold a tile over time, and the gap
 between L1's last end and L2's first token stage; then the launch chain around it (pre_dispatch, routing with its
 phases, gather, the GEMM's dependency wait, combine: each block's entry, wait exit and end). --graph traces a
-replay of the call captured in a CUDA graph (the launch chain as a server sees it).
+replay of the call captured in a CUDA graph. NOTES: a kernel that printed completes ~30 µs late (H100, 2026-11-24),
+so in the chain only the durations inside one kernel hold (e.g. the routing phases), not the gaps between kernels;
+those come from `profile_moe.py --timeline` on a normal build.
 """
 from __future__ import annotations
 
@@ -102,8 +104,8 @@ def chain(kernels, t0) -> dict:
     out = {}
     us = lambda ns: (ns - t0) / 1e3  # noqa: E731
     names = sorted({k["kernel"] for k in kernels}, key=lambda n: min(k["stamps"][0] for k in kernels if k["kernel"] == n))
-    print("launch chain (µs from the GEMM's first claim): kernel, blocks, first entry, dependency wait done "
-          "(first - last), last end")
+    print("launch chain (µs from the GEMM's first claim; gaps between kernels inflated by the printing, see the "
+          "header): kernel, blocks, first entry, dependency wait done (first - last), last end")
     for name in names:
         ks = [k for k in kernels if k["kernel"] == name]
         row = dict(blocks=len(ks), entry=us(min(k["stamps"][0] for k in ks)),
