@@ -53,15 +53,52 @@ __device__ __forceinline__ void for_each_slot(const int* ids, int n, F&& f) {
   for (int i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) f(i, __ldcg(ids + i));
 }
 
+// The count pass keeps each slot's local expert (int16) in shared memory for the scatter pass, for ranks whose
+// slots fit here (all of them up to 2,730 tokens per rank at top-6 on one rank): one read of the ids, local or
+// over NVLink, instead of two.
+constexpr int kRoutingCachedSlots = 16384;
+
+// Shared memory of the routing block: count and cursor per local expert, tokens and cached-slot base per rank
+// (ints), then the slot cache: as many slots as the call can have, at most kRoutingCachedSlots, none when local
+// experts do not fit in int16, and fewer where the experts' counters leave less than 160 KB.
+struct RoutingSmem {
+  int64_t int_bytes, cached_slots;
+  explicit RoutingSmem(const layout::BufferLayout& l) {
+    int_bytes = (2 * l.num_local_experts + 2 * l.num_ranks) * int64_t(sizeof(int));
+    const int64_t room = std::max<int64_t>(0, (160 * 1024 - int_bytes) / int64_t(sizeof(int16_t)));
+    cached_slots = l.num_local_experts <= INT16_MAX
+                       ? std::min({l.num_ranks * l.max_tokens_per_rank * l.top_k, int64_t(kRoutingCachedSlots), room})
+                       : 0;
+  }
+  size_t bytes() const { return size_t(int_bytes + cached_slots * int64_t(sizeof(int16_t))); }
+};
+
 // One block: (EP) barrier 0, then count rows per local expert over every rank's slots, scan into row
 // and token-block offsets, then scatter. Pool rows are global slot indices
 // (source rank * max_tokens + token) * top_k + slot.
 // NOTES: rows of one expert land in arbitrary order (atomics); every output element is still computed
 // by exactly one tile with a fixed summation order, so results are deterministic.
 __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffer, layout::BufferLayout l, int rank,
-                                                                  int num_tokens, int block_m, int* recv_stats) {
+                                                                  int num_tokens, int block_m, int* recv_stats,
+                                                                  int cached_slots) {
   PhaseStamps trace;  // entry, after the dependency wait, counted, scanned, end (diagnostic builds only)
   trace.stamp();
+  int* expert_count = reinterpret_cast<int*>(buffer + l.expert_count_offset);
+  int* expert_offset = reinterpret_cast<int*>(buffer + l.expert_offset_offset);
+  int* tile_offset = reinterpret_cast<int*>(buffer + l.tile_offset_offset);
+  int* sched = reinterpret_cast<int*>(buffer + l.sched_offset);  // the fused FP8 GEMM's counters: fresh per call
+  int* pool_src = reinterpret_cast<int*>(buffer + l.pool_src_offset);
+  // Hints for the lines this block touches first, issued while the previous kernel still runs (programmatic
+  // launch): nothing is read here, so no stale value can be used.
+  if (threadIdx.x < 6) {
+    const int t = threadIdx.x;
+    ptx::prefetch_l2(t == 0   ? static_cast<const void*>(buffer + l.topk_idx_offset)
+                     : t == 1 ? expert_count
+                     : t == 2 ? expert_offset
+                     : t == 3 ? tile_offset
+                     : t == 4 ? sched
+                              : pool_src);
+  }
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
   trace.stamp();
@@ -70,10 +107,14 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   const int num_ranks = static_cast<int>(l.num_ranks);
   const int top_k = static_cast<int>(l.top_k);
   const int rank_slots = static_cast<int>(l.max_tokens_per_rank) * top_k;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   int* count = smem;
   int* cursor = smem + num_experts;
   int* rank_tokens = cursor + num_experts;  // [num_ranks]
+  int* rank_cache = rank_tokens + num_ranks;  // [num_ranks]: first cache entry of the rank's slots, -1: not cached
+  int16_t* cache = reinterpret_cast<int16_t*>(rank_cache + num_ranks);  // [cached_slots]: local expert or -1
   __shared__ bool peers_ok;
+  __shared__ int warp_rows[32], warp_tiles[32], carry[2];
 
   if (num_ranks > 1) {
     // A buffer whose peer table does not point at itself did not come from get_symm_buffer: no
@@ -104,58 +145,86 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
     rank_tokens[r] = peers_ok ? n : 0;
   }
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
+  if (threadIdx.x < 2) carry[threadIdx.x] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {  // ranks in order, each cached whole or not at all
+    int used = 0;
+    for (int r = 0; r < num_ranks; ++r) {
+      const int n = rank_tokens[r] * top_k;
+      rank_cache[r] = used + n <= cached_slots ? used : -1;
+      if (rank_cache[r] >= 0) used += n;
+    }
+  }
   __syncthreads();
   for (int r = 0; r < num_ranks; ++r) {
     const int* ids = reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.topk_idx_offset);
+    const int cached_at = rank_cache[r];
     for_each_slot(ids, rank_tokens[r] * top_k, [&](int i, int id) {
       // Each rank reports its own tokens' bad ids.
       const int e = local_expert(id, l, rank, buffer, i, r == rank);
       if (e >= 0) atomicAdd(&count[e], 1);
+      if (cached_at >= 0) cache[cached_at + i] = static_cast<int16_t>(e);
     });
   }
   __syncthreads();
   trace.stamp();
 
-  // Exclusive scans of rows and token blocks by warp 0 (each lane owns a contiguous expert range).
-  int* expert_count = reinterpret_cast<int*>(buffer + l.expert_count_offset);
-  int* expert_offset = reinterpret_cast<int*>(buffer + l.expert_offset_offset);
-  int* tile_offset = reinterpret_cast<int*>(buffer + l.tile_offset_offset);
-  int* sched = reinterpret_cast<int*>(buffer + l.sched_offset);  // the fused FP8 GEMM's counters: fresh per call
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    const int per_lane = (num_experts + 31) / 32;
-    const int begin = min(lane * per_lane, num_experts), end = min(begin + per_lane, num_experts);
-    int rows = 0, tiles = 0;
-    for (int e = begin; e < end; ++e) rows += count[e], tiles += (count[e] + block_m - 1) / block_m;
-    int rows_before = rows, tiles_before = tiles;
+  // Exclusive scans of rows and token blocks over the experts, a thread per expert (chunks of blockDim): warp
+  // scans, then warp 0 over the warp totals; each expert's words are stored by its own thread (coalesced).
+  for (int base = 0; base < num_experts; base += blockDim.x) {
+    const int e = base + threadIdx.x;
+    const int c = e < num_experts ? count[e] : 0, t = (c + block_m - 1) / block_m;
+    int rows = c, tiles = t;  // inclusive within the warp
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
-      const int r = __shfl_up_sync(0xffffffffu, rows_before, d), t = __shfl_up_sync(0xffffffffu, tiles_before, d);
-      if (lane >= d) rows_before += r, tiles_before += t;
+      const int r = __shfl_up_sync(0xffffffffu, rows, d), u = __shfl_up_sync(0xffffffffu, tiles, d);
+      if (lane >= d) rows += r, tiles += u;
     }
-    rows_before -= rows, tiles_before -= tiles;
-    for (int e = begin; e < end; ++e) {
-      expert_count[e] = count[e];
+    if (lane == 31) warp_rows[warp] = rows, warp_tiles[warp] = tiles;
+    __syncthreads();
+    if (warp == 0) {
+      const int nw = static_cast<int>(blockDim.x / 32);
+      int wr = lane < nw ? warp_rows[lane] : 0, wt = lane < nw ? warp_tiles[lane] : 0;
+      const int own_r = wr, own_t = wt;
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const int r = __shfl_up_sync(0xffffffffu, wr, d), u = __shfl_up_sync(0xffffffffu, wt, d);
+        if (lane >= d) wr += r, wt += u;
+      }
+      if (lane < nw) warp_rows[lane] = carry[0] + wr - own_r, warp_tiles[lane] = carry[1] + wt - own_t;
+    }
+    __syncthreads();
+    const int rows_before = warp_rows[warp] + rows - c, tiles_before = warp_tiles[warp] + tiles - t;
+    if (e < num_experts) {
+      expert_count[e] = c;
       expert_offset[e] = rows_before;
       tile_offset[e] = tiles_before;
       sched[1 + e] = 0;
       cursor[e] = rows_before;
-      if (recv_stats != nullptr) recv_stats[e] += count[e];
-      rows_before += count[e];
-      tiles_before += (count[e] + block_m - 1) / block_m;
+      if (recv_stats != nullptr) recv_stats[e] += c;
+      if (e == num_experts - 1)
+        expert_offset[num_experts] = rows_before + c, tile_offset[num_experts] = tiles_before + t, sched[0] = 0;
     }
-    if (lane == 31) expert_offset[num_experts] = rows_before, tile_offset[num_experts] = tiles_before, sched[0] = 0;
+    __syncthreads();  // every thread has read warp_rows / carry
+    if (threadIdx.x == blockDim.x - 1) carry[0] = rows_before + c, carry[1] = tiles_before + t;
   }
   __syncthreads();
   trace.stamp();
 
-  int* pool_src = reinterpret_cast<int*>(buffer + l.pool_src_offset);
   for (int r = 0; r < num_ranks; ++r) {
-    const int* ids = reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.topk_idx_offset);
-    for_each_slot(ids, rank_tokens[r] * top_k, [&](int i, int id) {
-      const int e = local_expert(id, l, rank, buffer, i, false);
-      if (e >= 0) pool_src[atomicAdd(&cursor[e], 1)] = r * rank_slots + i;
-    });
+    const int n = rank_tokens[r] * top_k, cached_at = rank_cache[r];
+    if (cached_at >= 0) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int e = cache[cached_at + i];
+        if (e >= 0) pool_src[atomicAdd(&cursor[e], 1)] = r * rank_slots + i;
+      }
+    } else {
+      const int* ids = reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.topk_idx_offset);
+      for_each_slot(ids, n, [&](int i, int id) {
+        const int e = local_expert(id, l, rank, buffer, i, false);
+        if (e >= 0) pool_src[atomicAdd(&cursor[e], 1)] = r * rank_slots + i;
+      });
+    }
   }
   trace.stamp();
   if (threadIdx.x == 0) trace.print("routing");
@@ -171,6 +240,12 @@ __global__ void __launch_bounds__(kGatherThreads, 4) gather_kernel(uint8_t* buff
                               bool has_global_sf) {
   PhaseStamps trace;  // entry, after the dependency wait, end (diagnostic builds only)
   trace.stamp();
+  {  // hints for this block's first lines (see routing_kernel), while the routing kernel runs
+    const int64_t first = int64_t(blockIdx.x) * blockDim.x / 32;  // never past the pool: a hint stays in the buffer
+    if (threadIdx.x == 0 && first < l.pool_rows) ptx::prefetch_l2(buffer + l.pool_src_offset + first * sizeof(int));
+    if (threadIdx.x == 1 && first < l.pool_rows) ptx::prefetch_l2(buffer + l.dispatch_x_offset + first * l.token_bytes);
+    if (threadIdx.x == 2) ptx::prefetch_l2(buffer + l.x_offset);
+  }
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
   trace.stamp();
@@ -314,9 +389,10 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16*
 
 void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens, int block_m,
                     int* recv_stats, cudaStream_t stream) {
-  const size_t smem = size_t(2 * layout.num_local_experts + layout.num_ranks) * sizeof(int);
-  launch_pdl(routing_kernel, dim3(1), dim3(kRoutingThreads), smem, stream, buffer, layout, rank, num_tokens, block_m,
-             recv_stats);
+  const RoutingSmem smem(layout);
+  allow_dynamic_smem<routing_kernel>(static_cast<int>(smem.bytes()));
+  launch_pdl(routing_kernel, dim3(1), dim3(kRoutingThreads), smem.bytes(), stream, buffer, layout, rank, num_tokens,
+             block_m, recv_stats, static_cast<int>(smem.cached_slots));
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
