@@ -57,6 +57,7 @@ __device__ __forceinline__ void for_each_slot(const int* ids, int n, F&& f) {
 // slots fit here (all of them up to 2,730 tokens per rank at top-6 on one rank): one read of the ids, local or
 // over NVLink, instead of two.
 constexpr int kRoutingCachedSlots = 16384;
+constexpr int kRoutingMaxSmem = 227 * 1024 - 1024;  // what a block may have, less the kernel's static shared memory
 
 // Shared memory of the routing block: count and cursor per local expert, tokens and cached-slot base per rank
 // (ints), then the slot cache: as many slots as the call can have, at most kRoutingCachedSlots, none when local
@@ -390,7 +391,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16*
 void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens, int block_m,
                     int* recv_stats, cudaStream_t stream) {
   const RoutingSmem smem(layout);
-  allow_dynamic_smem<routing_kernel>(static_cast<int>(smem.bytes()));
+  // The limit is set once per device (allow_dynamic_smem), so to what any layout may ask, not to this call's size.
+  allow_dynamic_smem<routing_kernel>(kRoutingMaxSmem);
   launch_pdl(routing_kernel, dim3(1), dim3(kRoutingThreads), smem.bytes(), stream, buffer, layout, rank, num_tokens,
              block_m, recv_stats, static_cast<int>(smem.cached_slots));
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
