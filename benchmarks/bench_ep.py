@@ -284,7 +284,7 @@ def main():
         commit = os.environ.get("MEGAMOE_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
         doc = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                   torch=torch.__version__, commit=commit,
+                   torch=torch.__version__, commit=commit, l2_flush=bu.l2_flush_mode(),
                    ceilings=dict(copy_bytes_per_s=copy_bw, fp8_flops=fp8_rate), rows=rows)
         if args.json:
             with open(args.json, "w") as f:

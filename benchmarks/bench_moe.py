@@ -3,7 +3,8 @@
     python benchmarks/bench_moe.py [--models V4-Flash,V4-Pro] [--tokens 1,16,...] [--formats fp8,mxfp4,nvfp4]
                                    [--act-formats fp8,fp4] [--json out.json] [--plot out.png]
 
-For each (model, T): megamoe's time (CUDA-graph replay of pre_dispatch + fused op, L2 flushed, median), and
+For each (model, T): megamoe's time (CUDA-graph replay of pre_dispatch + fused op, L2 flushed clean — see
+bench_utils.flush_l2; MEGAMOE_BENCH_FLUSH=dirty for the write-only flush — median), and
 its time inside a graph of 8 such calls (event-record nodes around each: no graph launch per call, as in a
 model whose step is one graph; `in_graph_us`);
 the floor = max(touched experts' weight bytes / copy bandwidth, FLOPs / dense FP8 matmul rate), both
@@ -300,7 +301,8 @@ def main():
         except OSError:
             commit = None
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__, "commit": commit, "ceilings": ceilings, "rows": rows}
+              "torch": torch.__version__, "commit": commit, "l2_flush": bu.l2_flush_mode(), "ceilings": ceilings,
+              "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
