@@ -5,8 +5,9 @@
 
 Runs one call (after warm-up and an L2 flush) in a child process, whose kernels print, at exit, the global-timer
 stamps of each CTA's tiles: when the producer claimed the tile and issued its first weight load, when its first
-stage was full (consumers), when the main loop and the epilogue ended. Prints the walk's phases (µs from the first claim): L1 / L2 tile starts and
-ends, each tile's main-loop time and weight bytes per µs, how many CTAs hold a tile over time, and the gap
+stage was full (consumers), when the main loop, each epilogue phase and the epilogue ended. Prints the walk's
+phases (µs from the first claim): L1 / L2 tile starts and ends, each tile's main-loop time and weight bytes per µs,
+the epilogue's phases, how many CTAs hold a tile over time, and the gap
 between L1's last end and L2's first token stage; then the launch chain around it (pre_dispatch, routing with its
 phases, gather, the GEMM's dependency wait, combine: each block's entry, wait exit and end). --graph traces a
 replay of the call captured in a CUDA graph. NOTES: a kernel that printed completes ~30 µs late (H100, 2026-11-24),
@@ -94,7 +95,8 @@ def parse(lines):
             kernels.append(dict(kernel=f[2], block=int(f[3]), stamps=[int(v) for v in f[5:5 + n]]))
         elif on and f[1] == "C":
             cta_tiles.append(dict(cta=int(f[2]), sm=int(f[3]), gemm=int(f[4]), expert=int(f[5]), n_block=int(f[6]),
-                                  rows=int(f[7]), start=int(f[8]), main_end=int(f[9]), end=int(f[10])))
+                                  rows=int(f[7]), start=int(f[8]), main_end=int(f[9]), end=int(f[10]),
+                                  epilogue=[int(v) for v in f[11:15]]))
     return cta_tiles, claims, entries, kernels, shape
 
 
@@ -142,7 +144,15 @@ def summarize(tiles, claims, entries, shape) -> dict:
                    last_end=us(max(t["end"] for t in ts)), main_us_median=statistics.median(main),
                    main_us_max=max(main), epilogue_us_median=statistics.median(epi),
                    gbps_per_tile_median=statistics.median(rate))
+        # Epilogue phases (µs each, medians): L1 SwiGLU, token amax shared, quantized, stored, counted (fused);
+        # L2 staged, stored, barrier.
+        names = ("swiglu", "amax", "quantize", "store", "count") if gemm == 0 else ("stage", "store", "barrier")
+        marks = lambda t: [t["main_end"]] + t["epilogue"][:len(names) - 1] + [t["end"]]  # noqa: E731
+        row["epilogue_phases_us"] = {n: statistics.median((marks(t)[j + 1] - marks(t)[j]) / 1e3 for t in ts)
+                                     for j, n in enumerate(names)}
         out[name] = row
+        print(f"{name}: epilogue phases (median µs) " +
+              " ".join(f"{n} {v:.2f}" for n, v in row["epilogue_phases_us"].items()))
         print(f"{name}: {row['tiles']} tiles; first stage full {row['first_start']:.1f} - {row['last_start']:.1f} µs; "
               f"ends {row['first_end']:.1f} - {row['last_end']:.1f} µs; main loop median {row['main_us_median']:.1f} "
               f"(max {row['main_us_max']:.1f}) µs = {row['gbps_per_tile_median']:.1f} GB/s per tile; epilogue "

@@ -317,7 +317,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #ifdef MEGAMOE_TILE_TRACE
   const uint64_t trace_entry = ptx::globaltimer_ns();  // after the grid dependency wait
   int trace_n = 0, trace_info[kTraceTiles][4];
-  uint64_t trace_t[kTraceTiles][3];
+  uint64_t trace_t[kTraceTiles][3], trace_e[kTraceTiles][4] = {};
+  // Epilogue phases (L1: SwiGLU done, token amax shared, quantized, stored; L2: staged, stored).
+  auto trace_epilogue = [&](int i) {
+    if (ctid == 0 && trace_n < kTraceTiles) trace_e[trace_n][i] = ptx::globaltimer_ns();
+  };
+#else
+  auto trace_epilogue = [](int) {};
 #endif
   const uint32_t tile_a_desc_lo = ptx::smem_desc_sw128_lo(tile_a), tile_b_desc_lo = ptx::smem_desc_sw128_lo(tile_b);
 
@@ -416,10 +422,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const float silu = p.fast_math ? __fdividef(g, 1.0f + __expf(-g)) : g / (1.0f + expf(-g));
         acc0[i] = silu * u * col_w[(i / 4) * 2 + (i % 2)];
       }
+      trace_epilogue(0);
       // Per-token amax over this tile's 128 outputs (= one L2 scale block): registers, then lanes
       // sharing a column (xor 4, 8, 16), then the 8 consumer warps through shared memory.
       store_token_amax<kBlockM>(acc0, amax_smem + (consumer * 4 + warp) * kBlockM, lane);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
+      trace_epilogue(1);
       uint8_t* out_tile = epilogue;  // [kBlockM tokens][128 outputs] E4M3
       float* pool_sf = reinterpret_cast<float*>(p.buffer + l.pool_sf_offset);
 #pragma unroll
@@ -440,6 +448,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           pool_sf[int64_t(t.n_block) * l.pool_rows + t.row0 + col] = scale;
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
+      trace_epilogue(2);
       // Coalesced copy-out: 8 x 16 bytes per token row.
       const int inter = n / 2;
       for (int c = ctid; c < kBlockM * 8; c += kNumConsumerThreads) {
@@ -450,6 +459,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
       if constexpr (kFused) ptx::fence_proxy_async_global();  // this thread's pool stores, read by L2's TMA
       ptx::named_barrier_sync(1, kNumConsumerThreads);
+      trace_epilogue(3);
       if constexpr (kFused) {
         // This L1 tile's outputs (rows and scales, every consumer thread's, ordered by the barrier) are
         // stored: count it for its expert; the expert's L2 tiles wait for the count (producer, Pending).
@@ -469,8 +479,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         out_tile[col * kBlockN + row + 64] = __float2bfloat16_rn(acc1[i]);
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
+      trace_epilogue(0);
       store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(out_tile, p.buffer, l, t.row0, t.rows, t.n_block, n,
                                                                ctid);
+      trace_epilogue(1);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     }
 #ifdef MEGAMOE_TILE_TRACE
@@ -482,9 +494,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     printf("MMTRACE E %d %u %llu %llu\n", blockIdx.x, trace_smid(), static_cast<unsigned long long>(trace_entry),
            static_cast<unsigned long long>(trace_launch));
     for (int i = 0; i < trace_n; ++i)
-      printf("MMTRACE C %d %u %d %d %d %d %llu %llu %llu\n", blockIdx.x, trace_smid(), trace_info[i][0],
-             trace_info[i][1], trace_info[i][2], trace_info[i][3], static_cast<unsigned long long>(trace_t[i][0]),
-             static_cast<unsigned long long>(trace_t[i][1]), static_cast<unsigned long long>(trace_t[i][2]));
+      printf("MMTRACE C %d %u %d %d %d %d %llu %llu %llu %llu %llu %llu %llu\n", blockIdx.x, trace_smid(),
+             trace_info[i][0], trace_info[i][1], trace_info[i][2], trace_info[i][3],
+             static_cast<unsigned long long>(trace_t[i][0]), static_cast<unsigned long long>(trace_t[i][1]),
+             static_cast<unsigned long long>(trace_t[i][2]), static_cast<unsigned long long>(trace_e[i][0]),
+             static_cast<unsigned long long>(trace_e[i][1]), static_cast<unsigned long long>(trace_e[i][2]),
+             static_cast<unsigned long long>(trace_e[i][3]));
   }
 #endif
 #else
