@@ -332,10 +332,21 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16*
                                                                   layout::BufferLayout l, int rank, int num_tokens) {
   PhaseStamps trace;  // entry, after the dependency wait, end (diagnostic builds only)
   trace.stamp();
+  const int top_k = static_cast<int>(l.top_k), hidden = static_cast<int>(l.hidden);
+  const int c = (blockIdx.y * kCombineThreads + threadIdx.x) * 8;
+  const int* topk_idx = reinterpret_cast<const int*>(buffer + l.topk_idx_offset);
+  // The block's first token's first kCombineSlots ids, loaded before the dependency wait: pre_dispatch wrote them,
+  // and every kernel of the chain (routing, gather, GEMM) triggers its dependents only after its own wait, so
+  // this grid runs only once pre_dispatch has completed; the next call's pre_dispatch writes only after this grid
+  // has. NOTES: at decode that takes one of the combine's two round trips off the chain after the GEMM.
+  int first_ids[kCombineSlots];
+#pragma unroll
+  for (int u = 0; u < kCombineSlots; ++u)
+    first_ids[u] = c < hidden && int(blockIdx.x) < num_tokens && u < top_k
+                       ? __ldcg(topk_idx + int64_t(blockIdx.x) * top_k + u) : -1;
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
   trace.stamp();
-  const int top_k = static_cast<int>(l.top_k), hidden = static_cast<int>(l.hidden);
   bool zero = false;  // the peer table is not this call's symmetric buffer: routing produced no row
   if (l.num_ranks > 1) {
     // The routing kernel's test, not the error word: an earlier error of this call (or of an earlier call, when
@@ -348,20 +359,20 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16*
       __syncthreads();
     }
   }
-  const int c = (blockIdx.y * kCombineThreads + threadIdx.x) * 8;
   if (c >= hidden) return;
   for (int token = blockIdx.x; token < num_tokens; token += gridDim.x) {
-    const int* ids = reinterpret_cast<const int*>(buffer + l.topk_idx_offset) + token * top_k;
+    const int* ids = topk_idx + int64_t(token) * top_k;
     const __nv_bfloat16* rows =
         reinterpret_cast<const __nv_bfloat16*>(buffer + l.combine_offset) + int64_t(token) * top_k * hidden;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     // A chunk's ids first, then all its valid rows' loads, then the sums: two memory round trips per chunk of
     // kCombineSlots slots, where a loop over slots with a branch on each id waited for each id and row in turn.
     for (int k0 = 0; k0 < top_k; k0 += kCombineSlots) {
+      const bool preloaded = token == int(blockIdx.x) && k0 == 0;
       bool valid[kCombineSlots];
 #pragma unroll
       for (int u = 0; u < kCombineSlots; ++u) {
-        const int id = k0 + u < top_k ? __ldcg(ids + k0 + u) : -1;
+        const int id = preloaded ? first_ids[u] : k0 + u < top_k ? __ldcg(ids + k0 + u) : -1;
         valid[u] = !zero && id >= 0 && id < l.num_experts;  // unused or invalid: never an address
       }
       uint4 raw[kCombineSlots];
