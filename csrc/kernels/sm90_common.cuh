@@ -290,25 +290,33 @@ __device__ __forceinline__ TileInfo decode_tile_warp(int tile, const int* tile_o
 }
 
 // L2 epilogue copy-out (both weight formats): the staged bf16 tile [block_m][256] of output features goes to
-// the combine area of each row's token owner at (token, slot): local stores, or NVLink stores for a peer.
+// the combine area of each row's token owner at (token, slot): local stores, or NVLink stores for a peer. Two
+// steps: load_combine_srcs takes the pool_src entries of the rows this thread stores (tile_src: the tile's entries,
+// rows [row0, row0 + rows), in shared memory when kShared, else in global memory), store_combine_tile stores.
 // NOTES: each thread first loads the pool_src entries of all its rows, then stores: loads interleaved with
 // the stores could not be hoisted past them (the stores may alias), so each of the kIters iterations waited
 // for its own L2 round trip. ncu (H100, V4-Flash T=8192, 2026-11-23): 12 % of the L2 kernel's stall
-// samples sat on that wait.
+// samples sat on that wait. The FP8 kernel loads them at the tile's start at decode.
 template <int kBlockM, int kBlockN, int kThreads>
-__device__ __forceinline__ void store_combine_tile(const __nv_bfloat16* out_tile, uint8_t* buffer,
-                                                   const layout::BufferLayout& l, int row0, int rows, int n_block,
-                                                   int n, int tid) {
-  constexpr int kChunks = kBlockM * (kBlockN / 8);  // 16-byte chunks of the tile
-  constexpr int kIters = (kChunks + kThreads - 1) / kThreads;
-  const int* pool_src = reinterpret_cast<const int*>(buffer + l.pool_src_offset);
-  const int rank_slots = static_cast<int>(l.max_tokens_per_rank * l.top_k);
-  int src[kIters];
+constexpr int combine_tile_iters() {
+  return (kBlockM * (kBlockN / 8) + kThreads - 1) / kThreads;  // 16-byte chunks of the tile per thread
+}
+template <int kBlockM, int kBlockN, int kThreads, bool kShared>
+__device__ __forceinline__ void load_combine_srcs(int (&src)[combine_tile_iters<kBlockM, kBlockN, kThreads>()],
+                                                  const int* tile_src, int rows, int tid) {
+  constexpr int kChunks = kBlockM * (kBlockN / 8);
 #pragma unroll
-  for (int it = 0; it < kIters; ++it) {
+  for (int it = 0; it < combine_tile_iters<kBlockM, kBlockN, kThreads>(); ++it) {
     const int col = (tid + it * kThreads) / (kBlockN / 8);
-    src[it] = tid + it * kThreads < kChunks && col < rows ? __ldcg(pool_src + row0 + col) : -1;
+    src[it] = tid + it * kThreads < kChunks && col < rows ? (kShared ? tile_src[col] : __ldcg(tile_src + col)) : -1;
   }
+}
+template <int kBlockM, int kBlockN, int kThreads>
+__device__ __forceinline__ void store_combine_tile(const int (&src)[combine_tile_iters<kBlockM, kBlockN, kThreads>()],
+                                                   const __nv_bfloat16* out_tile, uint8_t* buffer,
+                                                   const layout::BufferLayout& l, int n_block, int n, int tid) {
+  constexpr int kIters = combine_tile_iters<kBlockM, kBlockN, kThreads>();
+  const int rank_slots = static_cast<int>(l.max_tokens_per_rank * l.top_k);
   uint4* dst[kIters];  // with several ranks the owner's buffer is one more load (the peer table)
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {

@@ -819,8 +819,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           out_tile[col * kBlockN + row] = __float2bfloat16_rn(acc[ls][i] * col_f[j]);
         }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
-      store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(out_tile, p.buffer, l, t.row0, t.rows, t.n_block, p.n,
-                                                               ctid);
+      int src[combine_tile_iters<kBlockM, kBlockN, kNumConsumerThreads>()];
+      load_combine_srcs<kBlockM, kBlockN, kNumConsumerThreads, false>(
+          src, reinterpret_cast<const int*>(p.buffer + l.pool_src_offset) + t.row0, t.rows, ctid);
+      store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(src, out_tile, p.buffer, l, t.n_block, p.n, ctid);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     }
     // Every consumer is past the epilogue's last read of `epi` (the barrier above): the converters may refill it.

@@ -338,6 +338,29 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int first_row = t.n_block * kBlockN + consumer * 128;
     const bool valid0 = first_row < n, valid1 = first_row + 64 < n;
 
+    // The epilogue's inputs from earlier kernels (final: the consumers waited for them at their start): L1 the rows'
+    // top-k weights, L2 the rows' pool_src entries. At decode (block_m 16: 4 + 2 registers) they load with the tile's
+    // first stage, so the epilogue does not wait for them; wider tiles load them in the epilogue (registers).
+    // NOTES: tile trace (H100, 2026-11-24): the load cost the L1 epilogue ~0.9 µs at block_m 16, and at decode the
+    // last L1 tiles' epilogues gate their expert's L2 tiles.
+    constexpr bool kEarlyEpilogueInputs = kBlockM <= 16;
+    const float* row_weight = reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset);
+    float col_w[kBlockM / 4];
+    int src[combine_tile_iters<kBlockM, kBlockN, kNumConsumerThreads>()];
+    auto load_epilogue_inputs = [&] {
+      if (is_l1) {
+#pragma unroll
+        for (int j = 0; j < kBlockM / 4; ++j) {
+          const int col = 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
+          col_w[j] = col < t.rows ? row_weight[t.row0 + col] : 0.0f;
+        }
+      } else {
+        load_combine_srcs<kBlockM, kBlockN, kNumConsumerThreads, false>(
+            src, reinterpret_cast<const int*>(p.buffer + l.pool_src_offset) + t.row0, t.rows, ctid);
+      }
+    };
+    if constexpr (kEarlyEpilogueInputs) load_epilogue_inputs();
+
     float acc0[kRegs], acc1[kRegs];
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) acc0[i] = 0.0f, acc1[i] = 0.0f;
@@ -401,16 +424,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (ctid == 0 && trace_n < kTraceTiles) trace_t[trace_n][1] = ptx::globaltimer_ns();  // main loop done
 #endif
     // ======================================================================== epilogue
+    if constexpr (!kEarlyEpilogueInputs) load_epilogue_inputs();
     if (is_l1) {
       // SwiGLU in registers: acc0 = gate rows, acc1 = the matching up rows.
       float* amax_smem = reinterpret_cast<float*>(epilogue + kBlockM * 128);  // [8 warps][kBlockM]
-      const float* row_weight = reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset);
-      float col_w[kBlockM / 4];
-#pragma unroll
-      for (int j = 0; j < kBlockM / 4; ++j) {
-        const int col = 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
-        col_w[j] = col < t.rows ? row_weight[t.row0 + col] : 0.0f;
-      }
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) {
         float g = __bfloat162float(__float2bfloat16_rn(acc0[i]));
@@ -480,8 +497,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       trace_epilogue(0);
-      store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(out_tile, p.buffer, l, t.row0, t.rows, t.n_block, n,
-                                                               ctid);
+      store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(src, out_tile, p.buffer, l, t.n_block, n, ctid);
       trace_epilogue(1);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     }
