@@ -6,6 +6,8 @@ import importlib.util
 import pathlib
 import random
 
+import pytest
+
 MODELS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "models"
 
 
@@ -29,6 +31,31 @@ def test_fused_fp8_protocol_random_configurations():
         model.run(s, num_experts=e, blocks=blocks, nb1=rnd.randint(1, 4), nb2=rnd.randint(1, 3),
                   kb1=rnd.randint(1, 9), kb2=rnd.randint(1, 9), stages=rnd.randint(2, 6), ctas=rnd.randint(1, 12),
                   grid_delay=rnd.randint(0, 40))
+
+
+def test_fused_fp8_cluster_protocol_random_configurations():
+    """The planned two-CTA cluster walk (weight tiles shared by multicast): no deadlock, every (unit, rank) consumed
+    once, no multicast into a slot the peer CTA has not released, L2 token parts after their expert's L1 blocks, and
+    L1 counts from real blocks only (odd block counts give phantom halves), over 80 random configurations."""
+    model = load("fused_fp8_cluster_protocol")
+    rnd = random.Random(0)
+    for s in range(80):
+        model.run(s, **model.random_configuration(rnd))
+
+
+@pytest.mark.parametrize("mutation", ["own_slot_only", "no_l1_gate", "no_ring_flush"])
+def test_fused_fp8_cluster_protocol_catches_broken_rules(mutation):
+    """Each rule the cluster walk relies on, broken on purpose, fails the model in some of 40 configurations (a
+    model that passes everything checks nothing)."""
+    model = load("fused_fp8_cluster_protocol")
+    rnd = random.Random(1)
+    caught = 0
+    for s in range(40):
+        try:
+            model.run(s, **model.random_configuration(rnd), mutation=mutation)
+        except AssertionError:
+            caught += 1
+    assert caught > 0
 
 
 def test_mxfp4_fp8_decode_bytes_and_fragments():
