@@ -292,7 +292,7 @@ __device__ __forceinline__ TileInfo decode_tile_warp(int tile, const int* tile_o
 // L2 epilogue copy-out (both weight formats): the staged bf16 tile [block_m][256] of output features goes to
 // the combine area of each row's token owner at (token, slot): local stores, or NVLink stores for a peer. Two
 // steps: load_combine_srcs takes the pool_src entries of the rows this thread stores (tile_src: the tile's entries,
-// rows [row0, row0 + rows), in shared memory when kShared, else in global memory), store_combine_tile stores.
+// rows [row0, row0 + rows)), store_combine_tile stores.
 // NOTES: each thread first loads the pool_src entries of all its rows, then stores: loads interleaved with
 // the stores could not be hoisted past them (the stores may alias), so each of the kIters iterations waited
 // for its own L2 round trip. ncu (H100, V4-Flash T=8192, 2026-11-23): 12 % of the L2 kernel's stall
@@ -301,14 +301,14 @@ template <int kBlockM, int kBlockN, int kThreads>
 constexpr int combine_tile_iters() {
   return (kBlockM * (kBlockN / 8) + kThreads - 1) / kThreads;  // 16-byte chunks of the tile per thread
 }
-template <int kBlockM, int kBlockN, int kThreads, bool kShared>
+template <int kBlockM, int kBlockN, int kThreads>
 __device__ __forceinline__ void load_combine_srcs(int (&src)[combine_tile_iters<kBlockM, kBlockN, kThreads>()],
                                                   const int* tile_src, int rows, int tid) {
   constexpr int kChunks = kBlockM * (kBlockN / 8);
 #pragma unroll
   for (int it = 0; it < combine_tile_iters<kBlockM, kBlockN, kThreads>(); ++it) {
     const int col = (tid + it * kThreads) / (kBlockN / 8);
-    src[it] = tid + it * kThreads < kChunks && col < rows ? (kShared ? tile_src[col] : __ldcg(tile_src + col)) : -1;
+    src[it] = tid + it * kThreads < kChunks && col < rows ? __ldcg(tile_src + col) : -1;
   }
 }
 template <int kBlockM, int kBlockN, int kThreads>

@@ -820,7 +820,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       int src[combine_tile_iters<kBlockM, kBlockN, kNumConsumerThreads>()];
-      load_combine_srcs<kBlockM, kBlockN, kNumConsumerThreads, false>(
+      load_combine_srcs<kBlockM, kBlockN, kNumConsumerThreads>(
           src, reinterpret_cast<const int*>(p.buffer + l.pool_src_offset) + t.row0, t.rows, ctid);
       store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(src, out_tile, p.buffer, l, t.n_block, p.n, ctid);
       ptx::named_barrier_sync(1, kNumConsumerThreads);

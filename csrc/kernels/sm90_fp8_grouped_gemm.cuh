@@ -339,8 +339,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const bool valid0 = first_row < n, valid1 = first_row + 64 < n;
 
     // The epilogue's inputs from earlier kernels (final: the consumers waited for them at their start): L1 the rows'
-    // top-k weights, L2 the rows' pool_src entries. At decode (block_m 16: 4 + 2 registers) they load with the tile's
-    // first stage, so the epilogue does not wait for them; wider tiles load them in the epilogue (registers).
+    // top-k weights, L2 the rows' pool_src entries. At decode (block_m 16: at most 4 + 2 registers) they load when
+    // the tile starts, so the epilogue does not wait for them; wider tiles load them in the epilogue (registers).
     // NOTES: tile trace (H100, 2026-11-24): the load cost the L1 epilogue ~0.9 µs at block_m 16, and at decode the
     // last L1 tiles' epilogues gate their expert's L2 tiles.
     constexpr bool kEarlyEpilogueInputs = kBlockM <= 16;
@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           col_w[j] = col < t.rows ? row_weight[t.row0 + col] : 0.0f;
         }
       } else {
-        load_combine_srcs<kBlockM, kBlockN, kNumConsumerThreads, false>(
+        load_combine_srcs<kBlockM, kBlockN, kNumConsumerThreads>(
             src, reinterpret_cast<const int*>(p.buffer + l.pool_src_offset) + t.row0, t.rows, ctid);
       }
     };

@@ -336,9 +336,10 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16*
   const int c = (blockIdx.y * kCombineThreads + threadIdx.x) * 8;
   const int* topk_idx = reinterpret_cast<const int*>(buffer + l.topk_idx_offset);
   // The block's first token's first kCombineSlots ids, loaded before the dependency wait: pre_dispatch wrote them,
-  // and every kernel of the chain (routing, gather, GEMM) triggers its dependents only after its own wait, so
-  // this grid runs only once pre_dispatch has completed; the next call's pre_dispatch writes only after this grid
-  // has. NOTES: at decode that takes one of the combine's two round trips off the chain after the GEMM.
+  // and every kernel of the chain (routing, gather, the GEMMs, the NVFP4 requantization) triggers its dependents
+  // only after its own wait, so this grid runs only once pre_dispatch has completed; the next call's pre_dispatch
+  // writes only after this grid has completed. NOTES: at decode that takes one of the combine's two round trips off
+  // the chain after the GEMM.
   int first_ids[kCombineSlots];
 #pragma unroll
   for (int u = 0; u < kCombineSlots; ++u)
