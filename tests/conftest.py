@@ -150,8 +150,22 @@ def reference_output(layer: dict, x, topk_idx, topk_weights, weight_format: str,
                               activation_clamp=activation_clamp)
 
 
+# Layers whose w13 has at least this many elements are drawn on the GPU when they are built for it: a V4-Flash layer
+# (6.4 G float32 normals, w13 and w2) took ~20 s on the device machine's CPU per make_case, most of a fused-launch
+# test's time. At most GPU_DRAW_MAX_ELEMENTS: the float32 draw of w13 stays transient (V4-Flash: 17 GB).
+GPU_DRAW_MIN_ELEMENTS = 1 << 28
+GPU_DRAW_MAX_ELEMENTS = 6 << 30
+
+
 @functools.lru_cache(maxsize=32)
 def _cached_layer(num_experts, hidden, intermediate, weight_format, seed, device):
+    """NOTES: a layer drawn on the GPU has other values than the CPU draw of the same seed; tests that compare a
+    CUDA case with a CPU case of the same seed (test_matches_cpu_op) use small shapes, which are drawn on the CPU."""
+    w13_elements = num_experts * 2 * intermediate * hidden
+    if device.startswith("cuda") and GPU_DRAW_MIN_ELEMENTS <= w13_elements <= GPU_DRAW_MAX_ELEMENTS:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        return reference.make_random_layer(num_experts, hidden, intermediate, weight_format, generator=gen,
+                                           device=device)
     return reference.make_random_layer(num_experts, hidden, intermediate, weight_format, seed=seed, device=device)
 
 
