@@ -162,11 +162,10 @@ def _cached_layer(num_experts, hidden, intermediate, weight_format, seed, device
     """NOTES: a layer drawn on the GPU has other values than the CPU draw of the same seed; tests that compare a
     CUDA case with a CPU case of the same seed (test_matches_cpu_op) use small shapes, which are drawn on the CPU."""
     w13_elements = num_experts * 2 * intermediate * hidden
-    if device.startswith("cuda") and GPU_DRAW_MIN_ELEMENTS <= w13_elements <= GPU_DRAW_MAX_ELEMENTS:
-        gen = torch.Generator(device=device).manual_seed(seed)
-        return reference.make_random_layer(num_experts, hidden, intermediate, weight_format, generator=gen,
-                                           device=device)
-    return reference.make_random_layer(num_experts, hidden, intermediate, weight_format, seed=seed, device=device)
+    on_gpu = device.startswith("cuda") and GPU_DRAW_MIN_ELEMENTS <= w13_elements <= GPU_DRAW_MAX_ELEMENTS
+    gen = torch.Generator(device=device).manual_seed(seed) if on_gpu else None
+    return reference.make_random_layer(num_experts, hidden, intermediate, weight_format, seed=None if on_gpu else seed,
+                                       generator=gen, device=device)
 
 
 def capture_graph(step) -> "torch.cuda.CUDAGraph":
