@@ -296,7 +296,7 @@ __device__ __forceinline__ TileInfo decode_tile_warp(int tile, const int* tile_o
 // NOTES: each thread first loads the pool_src entries of all its rows, then stores: loads interleaved with
 // the stores could not be hoisted past them (the stores may alias), so each of the kIters iterations waited
 // for its own L2 round trip. ncu (H100, V4-Flash T=8192, 2026-11-23): 12 % of the L2 kernel's stall
-// samples sat on that wait. The FP8 kernel loads them at the tile's start at decode.
+// samples sat on that wait. The FP8 and FP4 kernels load them at the tile's start at decode.
 template <int kBlockM, int kBlockN, int kThreads>
 constexpr int combine_tile_iters() {
   return (kBlockM * (kBlockN / 8) + kThreads - 1) / kThreads;  // 16-byte chunks of the tile per thread

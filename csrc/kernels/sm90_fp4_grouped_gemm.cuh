@@ -560,7 +560,44 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   const uint32_t bf_tiles_desc_lo = ptx::smem_desc_sw128_lo(bf_tiles);
 
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    TileInfo t;
+    TileInfo t;  // read with the tile's first stage
+    // The epilogue's inputs (final: the weights' scales, and outputs of earlier kernels, which the consumers waited for
+    // at their start): the float32 factors (the expert's NVFP4 weight global scale x the rows' NVFP4 token global
+    // scales), L1 the rows' top-k weights, L2 the rows' pool_src entries. At decode (block_m 16: 4 + 4 registers in L1,
+    // 4 + 1 in L2) they load with the tile's first stage, so the epilogue does not wait for them; wider tiles load them
+    // in the epilogue, each where it is used (registers).
+    // NOTES: as the FP8 kernel (3cd2071); expected ~1 µs of a ~35 µs L1 tile at decode (2-3 %), not measured yet.
+    constexpr bool kEarlyEpilogueInputs = kBlockM <= 16;
+    float col_f[kBlockM / 4];
+    float col_w[kBlockM / 4];
+    int src[combine_tile_iters<kBlockM, kBlockN, kNumConsumerThreads>()];
+    // Every load issues before the first product waits for one: the token scale is loaded outside the product's
+    // condition (inside it ptxas branched per row, and each row's product waited for its load before the next load
+    // issued: 1 + block_m / 4 round trips in a row with NVFP4 weights and tokens). The products are taken here, not
+    // kept raw for the epilogue: that register more (the weight scale) spilled in L1 MXFP4 x MXFP4 tokens at block_m
+    // 16; at the tile start their one round trip overlaps the converters' first stage.
+    auto load_factors = [&](const TileInfo& ti) {
+      const float gw = p.weights_global_sf != nullptr ? __ldg(p.weights_global_sf + ti.expert) : 1.0f;
+#pragma unroll
+      for (int j = 0; j < kBlockM / 4; ++j) {
+        const int col = 8 * (j / 2) + 2 * q + (j % 2);
+        const float gt = p.acts_global_sf != nullptr && col < ti.rows ? p.acts_global_sf[ti.row0 + col] : 0.0f;
+        col_f[j] = p.acts_global_sf != nullptr ? (col < ti.rows ? gw * gt : 0.0f) : gw;
+      }
+    };
+    auto load_row_inputs = [&](const TileInfo& ti) {
+      if constexpr (kIsL1) {
+        const float* row_weight = reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 4; ++j) {
+          const int col = 8 * (j / 2) + 2 * q + (j % 2);
+          col_w[j] = col < ti.rows ? row_weight[ti.row0 + col] : 0.0f;
+        }
+      } else {
+        load_combine_srcs<kBlockM, kBlockN, kNumConsumerThreads>(
+            src, reinterpret_cast<const int*>(p.buffer + l.pool_src_offset) + ti.row0, ti.rows, ctid);
+      }
+    };
     float acc[kSlices][kRegs];  // slice ls of this consumer = tile rows [64 (kSlices c + ls), + 64)
 #pragma unroll
     for (int ls = 0; ls < kSlices; ++ls)
@@ -575,7 +612,13 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       bf = bf_tiles + b * S::kTileBF;
       const uint32_t bf_desc_lo = bf_tiles_desc_lo + b * (S::kTileBF / 16);
       ptx::mbarrier_wait(&full[stage], phase);
-      if (kb == 0) t = tile_infos[stage];
+      if (kb == 0) {
+        t = tile_infos[stage];
+        if constexpr (kEarlyEpilogueInputs) {
+          load_factors(t);
+          load_row_inputs(t);
+        }
+      }
       ptx::mbarrier_wait(&bf_full[b], bphase);
 #pragma unroll
       for (int ls = 0; ls < kSlices; ++ls)
@@ -682,14 +725,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 
     // ======================================================================== epilogue
     ptx::named_barrier_sync(1, kNumConsumerThreads);  // every consumer's wgmmas on `epi` have finished
-    // Float32 factors: NVFP4 weight global scale (per expert) x NVFP4 token global scale (per row).
-    const float gw = p.weights_global_sf != nullptr ? __ldg(p.weights_global_sf + t.expert) : 1.0f;
-    float col_f[kBlockM / 4];
-#pragma unroll
-    for (int j = 0; j < kBlockM / 4; ++j) {
-      const int col = 8 * (j / 2) + 2 * q + (j % 2);
-      col_f[j] = p.acts_global_sf != nullptr ? (col < t.rows ? gw * p.acts_global_sf[t.row0 + col] : 0.0f) : gw;
-    }
+    if constexpr (!kEarlyEpilogueInputs) load_factors(t);
     if constexpr (kIsL1) {
       // SwiGLU: gate rows (even slice) with the matching up rows (the next slice). With one slice per
       // consumer, the up consumer hands its values to the gate consumer through `epi` (same thread
@@ -714,13 +750,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         }
         ptx::named_barrier_sync(1, kNumConsumerThreads);  // `epi` is free again
       }
-      const float* row_weight = reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset);
-      float col_w[kBlockM / 4];
-#pragma unroll
-      for (int j = 0; j < kBlockM / 4; ++j) {
-        const int col = 8 * (j / 2) + 2 * q + (j % 2);
-        col_w[j] = col < t.rows ? row_weight[t.row0 + col] : 0.0f;
-      }
+      if constexpr (!kEarlyEpilogueInputs) load_row_inputs(t);
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) {
         const int j = (i / 4) * 2 + (i % 2);
@@ -819,9 +849,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           out_tile[col * kBlockN + row] = __float2bfloat16_rn(acc[ls][i] * col_f[j]);
         }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
-      int src[combine_tile_iters<kBlockM, kBlockN, kNumConsumerThreads>()];
-      load_combine_srcs<kBlockM, kBlockN, kNumConsumerThreads>(
-          src, reinterpret_cast<const int*>(p.buffer + l.pool_src_offset) + t.row0, t.rows, ctid);
+      if constexpr (!kEarlyEpilogueInputs) load_row_inputs(t);
       store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(src, out_tile, p.buffer, l, t.n_block, p.n, ctid);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     }
