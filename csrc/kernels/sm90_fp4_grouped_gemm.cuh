@@ -566,7 +566,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     // scales), L1 the rows' top-k weights, L2 the rows' pool_src entries. At decode (block_m 16: 4 + 4 registers in L1,
     // 4 + 1 in L2) they load with the tile's first stage, so the epilogue does not wait for them; wider tiles load them
     // in the epilogue, each where it is used (registers).
-    // NOTES: as the FP8 kernel (3cd2071); expected ~1 µs of a ~35 µs L1 tile at decode (2-3 %), not measured yet.
+    // NOTES: as the FP8 kernel (3cd2071). H100 A/B, V4-Flash, 2 rounds (docs/bench/
+    // h100-2026-11-25-ab-fp4-early-inputs.json): T = 16-512 -2.5 to -8 % per replay for every MXFP4 / NVFP4 x FP8 /
+    // FP4-token pair, T=1 -1 %, 2048 within 2.5 %.
     constexpr bool kEarlyEpilogueInputs = kBlockM <= 16;
     float col_f[kBlockM / 4];
     float col_w[kBlockM / 4];
