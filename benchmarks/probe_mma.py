@@ -1,0 +1,299 @@
+"""Ceiling probe: how fast can the FP8 grouped GEMM's main loop run on one SM, with and without its data stream?
+(METHOD.md: measure the ceiling before optimising against it.)
+
+The fused FP8 GEMM at T=8192 (block_m 64) spends ~0.65 µs per 128-K stage of a 256 x 64 tile (tile trace, H100,
+2026-11-24): ~45 % of the dense FP8 rate. Halving its weight bytes through L2 (CTA pairs with TMA multicast) did not
+help (2026-11-25), so the bound is on the SM. This probe runs the consumers' loop as the kernel does (two consumer
+warpgroups, a 4-stage ring of full / empty mbarriers, per-stage wgmmas into a partial accumulator, promotion into the
+tile accumulator in float32), on stage data that is either left in shared memory (no copy: the MMA + promotion
+ceiling) or refilled per stage by one bulk copy from global memory (the kernel's shared-memory writes and L2 traffic),
+for two tile shapes of the same MACs per stage:
+  n64   the kernel's swap-AB tile: each warpgroup 2 slices of m64n64k32 (A: 64 weight rows each, B: 64 tokens);
+        40 KB per stage.
+  n128  tokens as the A side (DeepGEMM's orientation): each warpgroup 1 slice of m64n128k32 (A: its 64 tokens,
+        B: 128 weight rows); 32 KB per stage.
+Two more n64 variants: "pair" (clusters of two CTAs; each copies half of the stage's weight rows and multicasts it
+into both, a stage refilled once both CTAs' consumers released it: the pair walk's protocol, 2026-11-25) and "+sf"
+(the producer warp's lanes also cp.async the stage's 68 scale floats, 4 bytes each, as the kernel does).
+One CTA per SM (384 threads, as the kernel); the MACs per stage are the same (2 x 2^20), so cycles per stage compare
+directly; "of peak" is against 4,096 MACs per cycle and SM (dense FP8). Operand values are arbitrary finite E4M3
+bytes (the rate does not depend on them beyond power).
+
+    python3 benchmarks/probe_mma.py [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+# As setup.py does: an nvcc wrapper outside the toolkit on PATH makes torch guess /usr/local as CUDA_HOME.
+if not os.environ.get("CUDA_HOME") and os.path.exists("/usr/local/cuda/include/cuda_runtime_api.h"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import torch  # noqa: E402  (after CUDA_HOME: cpp_extension reads it at import)
+from torch.utils.cpp_extension import load_inline  # noqa: E402
+
+import bench_utils as bu  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+CUDA_SRC = r"""
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include "megamoe/ptx/sm90.cuh"
+
+namespace ptx = megamoe::ptx;
+constexpr int kStages = 4, kBlockK = 128;
+
+// kN: the wgmma N (tokens for n64, weight rows for n128); kSlices: m64 slices per consumer warpgroup.
+// kPair (with kCopy): clusters of two CTAs; each copies half of the stage's A (n64: the weight rows) and multicasts
+// it into both CTAs, plus its own B; a stage is refilled once both CTAs' consumers released it (the pair walk's
+// protocol, 2026-11-25).
+// kScales (with kCopy): as the kernel, the producer warp's lanes also copy the stage's 4 weight-chunk scales and 64 token
+// scales (4-byte cp.async each, from a 1 MB region) and arrive on the stage's full barrier when they land.
+template <int kN, int kSlices, bool kPromote, bool kCopy, bool kPair = false, bool kScales = false>
+__global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t wrap_bytes, int iters,
+                                                     int64_t* cycles) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Mma = ptx::WgmmaFP8<kN>;
+  constexpr int kRegs = Mma::kNumRegs;
+  constexpr int kSliceBytes = 64 * kBlockK;               // one m64 slice of A
+  constexpr int kABytes = 2 * kSlices * kSliceBytes;      // both warpgroups' slices
+  constexpr int kStageBytes = kABytes + kN * kBlockK;     // + B
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  float* scales = reinterpret_cast<float*>(empty + kStages);  // [kStages][68]
+  // Finite E4M3 bytes (exponent field below 15: no NaN), different per byte.
+  for (int i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x)
+    reinterpret_cast<uint32_t*>(smem)[i] = (uint32_t(i) * 2654435761u) & 0x77777777u;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s)
+      ptx::mbarrier_init(&full[s], kScales ? 33 : 1), ptx::mbarrier_init(&empty[s], kPair ? 16 : 8);
+    ptx::fence_barrier_init();
+  }
+  ptx::fence_proxy_async_shared();
+  const uint32_t rank = kPair ? ptx::cluster_ctarank() : 0;
+  if constexpr (kPair) ptx::cluster_sync();
+  else __syncthreads();
+  const int warpgroup = threadIdx.x / 128, lane = threadIdx.x % 32;
+  if (warpgroup == 0) {
+    ptx::setmaxnreg_dec<40>();
+    if (threadIdx.x < 32) {
+      const uint8_t* base = src + int64_t(blockIdx.x) * wrap_bytes;
+      // Scale lanes (kScales): each stage's 68 floats from an L2-resident window of src, a new one per stage.
+      const float* sf = reinterpret_cast<const float*>(src) + int64_t(blockIdx.x) * 4096;
+      int64_t off = 0;
+      for (int it = 0, s = 0; it < iters; ++it, s = (s + 1) % kStages) {
+        if constexpr (kPair) ptx::mbarrier_wait_cluster(&empty[s], ((it / kStages) & 1) ^ 1);
+        else ptx::mbarrier_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+        if (lane == 0) {
+          if constexpr (kPair) {
+            // The pair's A is read once (rank r: its half, from the cluster's rank-0 source), B per CTA.
+            const uint8_t* a_src = src + int64_t(blockIdx.x & ~1) * wrap_bytes + off + rank * (kABytes / 2);
+            ptx::mbarrier_arrive_expect_tx(&full[s], kStageBytes);
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                         " [%0], [%1], %2, [%3], %4;"
+                         ::"r"(ptx::smem_addr(smem + s * kStageBytes + rank * (kABytes / 2))), "l"(a_src),
+                         "r"(kABytes / 2), "r"(ptx::smem_addr(&full[s])), "h"(uint16_t(3)) : "memory");
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                         ::"r"(ptx::smem_addr(smem + s * kStageBytes + kABytes)), "l"(base + off + kABytes),
+                         "r"(kStageBytes - kABytes), "r"(ptx::smem_addr(&full[s])) : "memory");
+          } else if constexpr (kCopy) {
+            ptx::mbarrier_arrive_expect_tx(&full[s], kStageBytes);
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                         ::"r"(ptx::smem_addr(smem + s * kStageBytes)), "l"(base + off), "r"(kStageBytes),
+                         "r"(ptx::smem_addr(&full[s])) : "memory");
+          } else {
+            ptx::mbarrier_arrive(&full[s]);
+          }
+        }
+        if constexpr (kScales) {
+          const float* stage_sf = sf + (it % 32) * 68;
+          for (int c = lane; c < 68; c += 32) ptx::cp_async_4(scales + s * 68 + c, stage_sf + c);
+          ptx::cp_async_mbarrier_arrive_noinc(&full[s]);
+        }
+        off += kStageBytes;
+        if (off + kStageBytes > wrap_bytes) off = 0;
+      }
+      if constexpr (kScales) ptx::cp_async_wait_all();
+    }
+    if constexpr (kPair) ptx::cluster_sync();
+    return;
+  }
+  ptx::setmaxnreg_inc<232>();
+  const uint32_t peer_empty = kPair ? ptx::mapa_shared(ptx::smem_addr(empty), rank ^ 1) : 0;
+  auto release = [&](int s) {
+    __syncwarp();
+    if (lane == 0) {
+      ptx::mbarrier_arrive(&empty[s]);
+      if constexpr (kPair) ptx::mbarrier_arrive_remote(peer_empty + s * 8);
+    }
+  };
+  const int consumer = warpgroup - 1;
+  const uint32_t lo = ptx::smem_desc_sw128_lo(smem);
+  float acc[kSlices][kRegs], part[kSlices][kRegs];
+#pragma unroll
+  for (int sl = 0; sl < kSlices; ++sl)
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[sl][i] = 0.0f;
+  const float scale = 1.0f + 1e-3f * lane;  // stands for weight scale x token scale
+  int64_t start = 0;
+  for (int it = 0, s = 0; it < iters; ++it, s = (s + 1) % kStages) {
+    ptx::mbarrier_wait(&full[s], (it / kStages) & 1);
+    if (it == 1) start = clock64();  // after the first stage: the fill and launch are not timed
+    const uint32_t a_lo = lo + (s * kStageBytes + consumer * kSlices * kSliceBytes) / 16;
+    const uint32_t b_lo = lo + (s * kStageBytes + kABytes) / 16;
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int sl = 0; sl < kSlices; ++sl) {
+      float* d = kPromote ? part[sl] : acc[sl];
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(d[i]);
+#pragma unroll
+      for (int ks = 0; ks < kBlockK / 32; ++ks)
+        Mma::run(d, ptx::smem_desc_sw128(a_lo + (sl * kSliceBytes + ks * 32) / 16),
+                 ptx::smem_desc_sw128(b_lo + ks * 2), !kPromote || ks > 0);
+      ptx::wgmma_commit();
+    }
+    if constexpr (kPromote) {
+      if constexpr (kSlices == 2) {
+        ptx::wgmma_wait<1>();
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[0][i]);
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) acc[0][i] += part[0][i] * scale;
+      }
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int sl = kSlices - 1; sl < kSlices; ++sl)
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[sl][i]);
+      release(s);
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) acc[kSlices - 1][i] += part[kSlices - 1][i] * scale;
+    } else {
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int sl = 0; sl < kSlices; ++sl)
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc[sl][i]);
+      release(s);
+    }
+  }
+  const int64_t stop = clock64();
+  if constexpr (kPair) ptx::cluster_sync();
+  float sum = 0.0f;
+#pragma unroll
+  for (int sl = 0; sl < kSlices; ++sl)
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) sum += acc[sl][i];
+  if (threadIdx.x == 128) cycles[blockIdx.x] = stop - start + (sum == 12345.0f);  // keeps the sums alive
+#endif
+}
+
+template <int kN, int kSlices, bool kPromote, bool kCopy, bool kPair = false, bool kScales = false>
+void launch(const torch::Tensor& src, int64_t wrap_bytes, int64_t ctas, int64_t iters, torch::Tensor& cycles) {
+  constexpr int kStageBytes = 2 * kSlices * 64 * kBlockK + kN * kBlockK;
+  constexpr int kSmem = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kStages * 68 * 4;
+  auto kernel = mma_kernel<kN, kSlices, kPromote, kCopy, kPair, kScales>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(kPair ? ctas / 2 * 2 : ctas));
+  config.blockDim = dim3(384);
+  config.dynamicSmemBytes = kSmem;
+  config.stream = c10::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kPair ? 2 : 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  cudaError_t err = cudaLaunchKernelEx(&config, kernel, static_cast<const uint8_t*>(src.data_ptr<uint8_t>()), wrap_bytes,
+                                       static_cast<int>(iters), cycles.data_ptr<int64_t>());
+  TORCH_CHECK(err == cudaSuccess, "mma_kernel launch: ", cudaGetErrorString(err));
+  err = cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "mma_kernel: ", cudaGetErrorString(err));
+}
+
+// shape 0: n64 (2 slices), 1: n128 (1 slice); copy: 0 none, 1 bulk copy per stage from src (wrap_bytes per CTA);
+// pair: CTA pairs multicasting A; scales: the kernel's per-stage scale cp.asyncs (both n64 with promotion and copies).
+void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool pair, bool scales, int64_t wrap_bytes,
+         int64_t ctas, int64_t iters, torch::Tensor cycles) {
+  if (pair || scales) {
+    TORCH_CHECK(shape == 0 && promote && copy, "mma: pairs and scales only for n64 with promotion and copies");
+    if (pair && scales) return launch<64, 2, true, true, true, true>(src, wrap_bytes, ctas, iters, cycles);
+    if (pair) return launch<64, 2, true, true, true>(src, wrap_bytes, ctas, iters, cycles);
+    return launch<64, 2, true, true, false, true>(src, wrap_bytes, ctas, iters, cycles);
+  }
+#define MEGAMOE_PROBE_CASE(N, SL, P, C) \
+  if (shape == (N == 128) && promote == P && copy == C) return launch<N, SL, P, C>(src, wrap_bytes, ctas, iters, cycles);
+  MEGAMOE_PROBE_CASE(64, 2, true, true) MEGAMOE_PROBE_CASE(64, 2, true, false)
+  MEGAMOE_PROBE_CASE(64, 2, false, true) MEGAMOE_PROBE_CASE(64, 2, false, false)
+  MEGAMOE_PROBE_CASE(128, 1, true, true) MEGAMOE_PROBE_CASE(128, 1, true, false)
+  MEGAMOE_PROBE_CASE(128, 1, false, true) MEGAMOE_PROBE_CASE(128, 1, false, false)
+#undef MEGAMOE_PROBE_CASE
+  TORCH_CHECK(false, "mma: no case");
+}
+"""
+
+CPP_SRC = ("void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool pair, bool scales, int64_t wrap_bytes, "
+           "int64_t ctas, int64_t iters, torch::Tensor cycles);")
+
+MACS_PER_STAGE = 2 * 2 * 64 * 64 * 128  # both shapes
+PEAK_MACS_PER_CYCLE = 4096  # dense FP8 per SM (H100: 1979 TFLOP/s at 1.83 GHz over 132 SMs)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--iters", type=int, default=4000, help="stages per CTA and launch")
+    args = ap.parse_args()
+    include = os.path.join(HERE, "..", "csrc", "include")
+    mod = load_inline("megamoe_probe_mma", CPP_SRC, cuda_sources=CUDA_SRC, functions=["mma"],
+                      extra_include_paths=[include],
+                      extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr",
+                                         "-gencode=arch=compute_90a,code=sm_90a"], verbose=False)
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    big = 8 << 20  # per CTA: 1 GB in all, streamed from HBM; small: 128 KB per CTA (17 MB), L2-resident
+    src = torch.empty(sms * big, dtype=torch.uint8, device="cuda")
+    src.random_(0, 256)
+    cycles = torch.zeros(sms, dtype=torch.int64, device="cuda")
+    rows = []
+    print(f"{props.name}: {sms} SMs; cycles per 128-K stage of 2^21 MACs (ideal {MACS_PER_STAGE // PEAK_MACS_PER_CYCLE})")
+    print(f"{'shape':12} {'promote':7} {'data':13} {'SMs':>4} {'cycles/stage':>12} {'of peak':>7} {'µs/stage':>8} "
+          f"{'TFLOP/s':>8}")
+    cases = [(shape, name, promote, data, wrap, False, False) for shape, name in ((0, "n64"), (1, "n128"))
+             for promote in (True, False)
+             for data, wrap in (("in smem", 0), ("copy from L2", 128 << 10), ("copy from HBM", big))]
+    cases += [(0, "n64" + " pair" * pair + " +sf" * scales, True, data, wrap, pair, scales)
+              for pair, scales in ((True, False), (False, True), (True, True))
+              for data, wrap in (("copy from L2", 128 << 10), ("copy from HBM", big))]
+    for shape, name, promote, data, wrap, pair, scales in cases:
+                for n in ((2, sms) if pair else (1, sms)):
+                    def call():
+                        mod.mma(src, shape, promote, wrap > 0, pair, scales, max(wrap, 1), n, args.iters, cycles)
+
+                    us = bu.time_events(call, iters=10, flush=False)
+                    cyc = cycles[:n].double().median().item() / (args.iters - 1)
+                    tflops = 2 * MACS_PER_STAGE * args.iters * n / us / 1e6
+                    row = dict(shape=name, promote=promote, data=data, pair=pair, scales=scales, sms=n, cycles_per_stage=round(cyc, 1),
+                               of_peak=round(MACS_PER_STAGE / PEAK_MACS_PER_CYCLE / cyc, 3),
+                               us_per_stage=round(us / args.iters, 4), tflops=round(tflops, 1))
+                    rows.append(row)
+                    print(f"{name:12} {str(promote):7} {data:13} {n:4d} {cyc:12.1f} {row['of_peak']:7.3f} "
+                          f"{row['us_per_stage']:8.4f} {tflops:8.1f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=props.name, iters=args.iters, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
