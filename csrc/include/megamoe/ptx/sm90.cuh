@@ -1,5 +1,6 @@
-// Thin PTX wrappers for Hopper (sm_90a): mbarrier, TMA (cp.async.bulk.tensor), wgmma, named barriers,
-// register reallocation. Each wrapper is one instruction; the kernels own the protocol.
+// Thin PTX wrappers for Hopper (sm_90a): mbarrier, TMA (cp.async.bulk.tensor, multicast), clusters, wgmma, named
+// barriers, register reallocation. Each wrapper is one instruction (cluster_sync: its arrive and wait); the kernels
+// own the protocol.
 #pragma once
 
 #include <cuda.h>
@@ -44,6 +45,48 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// Thread-block clusters (the FP8 kernel's CTA pairs): the same wait with cluster-scope acquire, for barriers that
+// the other CTA of the cluster arrives on.
+__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// The shared::cluster address of the same shared-memory location in CTA `rank` of this cluster.
+__device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t rank) {
+  uint32_t d;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(d) : "r"(addr), "r"(rank));
+  return d;
+}
+// Arrival on a barrier of any CTA of the cluster (shared::cluster address), ordering this thread's earlier
+// accesses (cluster-scope release).
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
+}
+// The same without the cluster-scope release (which compiles to MEMBAR.ALL.GPU): for releasing a pipeline stage
+// whose shared-memory reads (wgmma operands) are complete, as CUTLASS's ClusterBarrier::arrive(cta_id) does.
+__device__ __forceinline__ void mbarrier_arrive_remote(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
+}
+__device__ __forceinline__ void st_shared_cluster(uint32_t cluster_addr, int v) {
+  asm volatile("st.shared::cluster.s32 [%0], %1;" ::"r"(cluster_addr), "r"(v) : "memory");
+}
+// Every thread of the cluster arrives and waits (barrier.cluster: release / acquire at cluster scope).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
 // L2 prefetch hint of one line (no register, no wait; the line's page gets translated on the way).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<uint64_t>(p)));
@@ -63,6 +106,17 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
           smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// The same box into the same shared-memory offset of every CTA in `cta_mask` (this cluster's ranks), each
+// CTA's barrier at `bar`'s offset counting the bytes that land there.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t c0,
+                                                      int32_t c1, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "h"(cta_mask)
       : "memory");
 }
 
