@@ -246,6 +246,20 @@ def sched_words(case):
     return case.buffer.view("sched", (case.num_experts + 1,), torch.int32).tolist()
 
 
+def gemm_block_m(num_tokens, top_k, num_experts):
+    """The grouped GEMM's token block (csrc/heuristics/sm90.hpp: rows per touched expert)."""
+    slots = num_tokens * top_k
+    rows = 1 if slots <= num_experts else -(-slots // num_experts)
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def expected_l1_counts(case, l1_nblocks, block_m):
+    """Per expert, the fused walk's count of stored L1 tiles: one per real token block of block_m rows and weight
+    block (the pair walk's phantom halves count nothing)."""
+    off = case.buffer.view("expert_offset", (case.num_experts + 1,), torch.int32).tolist()
+    return [-(-(off[x + 1] - off[x]) // block_m) * l1_nblocks for x in range(case.num_experts)]
+
+
 @pytest.mark.parametrize("case_args", [(8, 256, 384, 3, 113, 0.25), (16, 384, 256, 4, 7, 0.0),
                                        (64, 640, 896, 8, 333, 0.25), (256, 4096, 2048, 6, 1, 0.0),
                                        (256, 4096, 2048, 6, 16, 0.0), (256, 4096, 2048, 6, 512, 0.1),
@@ -271,10 +285,10 @@ def test_fused_launch_equals_two_launches(case_args, fused_env):
     poison_outputs(case.buffer)
     y_fused = run_poisoned(case, recv_stats=stats[1])
     words = sched_words(case)
-    tile_offset = case.buffer.view("tile_offset", (e + 1,), torch.int32).tolist()
+    tile_offset = case.buffer.view("tile_offset", (e + 1,), torch.int32).tolist()  # pair walk: pairs of blocks
     l1_nblocks, l2_nblocks = (2 * i + 255) // 256, (h + 255) // 256
     assert words[0] >= tile_offset[e] * (l1_nblocks + l2_nblocks) > 0  # every tile was handed out
-    assert words[1:] == [(tile_offset[x + 1] - tile_offset[x]) * l1_nblocks for x in range(e)]
+    assert words[1:] == expected_l1_counts(case, l1_nblocks, gemm_block_m(t, k, e))
     poison_outputs(case.buffer)
     y_again = run_poisoned(case)
     assert torch.equal(y_fused, y_split)
@@ -309,6 +323,93 @@ def test_fused_launch_graph_replay(fused_env):
         ref = torch.full_like(y, float("nan"))
         megamoe.fp8_mega_moe(ref, case.l1, case.l2, case.buffer)
         fused_env(True)
+        assert torch.equal(y, ref)
+        assert torch.isfinite(y).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused walk in CTA pairs sharing each weight tile (MEGAMOE_FP8_PAIRS=1 / =0, read per call)
+# ------------------------------------------------------------------------------------------------
+def skew_rows(case, num_experts, rows_per_expert):
+    """Slot 0 of token j goes to expert j mod E' for the first sum(rows) tokens, so expert x gets at least
+    rows_per_expert[x] rows (one token block, two, a pair and a phantom half, ...); the other slots stay random.
+    Updates the reference."""
+    idx = case.topk_idx.clone()
+    j = 0
+    for x, r in enumerate(rows_per_expert):
+        idx[j:j + r, 0] = x
+        j += r
+    assert j <= idx.shape[0]
+    case.topk_idx = idx
+    case.ref = case.reference(topk_idx=idx)
+
+
+@pytest.mark.parametrize("case_args", [(8, 256, 384, 1, 779, (1, 64, 65, 128, 129, 192, 200, 0)),
+                                       (5, 384, 256, 2, 333, (300, 0, 33, 0, 0)),
+                                       (16, 640, 896, 8, 300, ()),
+                                       (256, 4096, 2048, 6, 4096, ())],
+                         ids=lambda a: "E{}H{}I{}K{}T{}".format(*a[:5]) if isinstance(a, tuple) else str(a))
+def test_pair_walk_equals_unpaired(case_args, monkeypatch):
+    """The pair walk (two CTAs of a cluster: token blocks 2p and 2p + 1 of an expert, each multicasting half of
+    the weight tile into both) runs the unpaired walk's tiles with the same arithmetic: bitwise equal outputs
+    and recv_stats, on poisoned pools; its counters show every unit handed out and every real 64-row block's L1
+    tiles counted. Rows per expert cover one block (a phantom half), two, three (a pair and a phantom half), an
+    expert with 1 row, empty experts, hidden not a multiple of 256 (the last L2 tile's upper half lies past the
+    expert's rows: rank 1's whole weight half) and the V4-Flash shape at T=4096 (96 rows per expert). The pair walk
+    is off by default (slower today: csrc/heuristics/sm90.hpp); the third call checks the default too."""
+    e, h, i, k, t, rows = case_args
+    if e >= 256:
+        release_gpu_memory()
+    case = make_case(e, h, i, k, t, device="cuda", masked_fraction=0.1, seed=t + e + 7)
+    if rows:
+        skew_rows(case, e, rows)
+    assert gemm_block_m(t, k, e) == 64  # the pair walk needs 64-row token blocks
+    stats = [torch.zeros(e, dtype=torch.int32, device="cuda") for _ in range(3)]
+    outs = []
+    for n, setting in enumerate(("0", "1", None)):
+        if setting is None:
+            monkeypatch.delenv("MEGAMOE_FP8_PAIRS", raising=False)
+        else:
+            monkeypatch.setenv("MEGAMOE_FP8_PAIRS", setting)
+        poison_outputs(case.buffer)
+        outs.append(run_poisoned(case, recv_stats=stats[n]))
+        if setting == "1":
+            words = sched_words(case)
+            pairs = case.buffer.view("tile_offset", (e + 1,), torch.int32).tolist()[e]
+            l1_nblocks, l2_nblocks = (2 * i + 255) // 256, (h + 255) // 256
+            assert words[0] >= pairs * (l1_nblocks + l2_nblocks) > 0
+            assert words[1:] == expected_l1_counts(case, l1_nblocks, 64)
+    assert torch.equal(outs[1], outs[0])
+    assert torch.equal(outs[2], outs[0])
+    assert torch.equal(stats[1], stats[0]) and torch.equal(stats[2], stats[0])
+    assert rel_err(outs[1], case.ref) <= TOL
+
+
+def test_pair_walk_graph_replay(monkeypatch):
+    """The pair walk captured in a CUDA graph and replayed with new inputs equals eager unpaired calls."""
+    monkeypatch.setenv("MEGAMOE_FP8_PAIRS", "1")
+    shape = (8, 256, 384, 4, 200)  # 100 rows per expert: block_m 64
+    case = make_case(*shape, device="cuda", seed=31)
+    y = torch.empty_like(case.x)
+    x_in, idx_in, w_in = case.x.clone(), case.topk_idx.clone(), case.topk_weights.clone()
+
+    def call():
+        megamoe.pre_dispatch(x_in, idx_in, w_in, case.buffer, weight_format="fp8")
+        megamoe.fp8_mega_moe(y, case.l1, case.l2, case.buffer)
+
+    graph = capture_graph(call)
+    for seed in (1, 2):
+        other = make_case(*shape, device="cuda", seed=31 + seed, with_ref=False)
+        x_in.copy_(other.x), idx_in.copy_(other.topk_idx), w_in.copy_(other.topk_weights)
+        y.fill_(float("nan"))
+        poison_outputs(case.buffer)
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("MEGAMOE_FP8_PAIRS", "0")
+        megamoe.pre_dispatch(x_in, idx_in, w_in, case.buffer, weight_format="fp8")
+        ref = torch.full_like(y, float("nan"))
+        megamoe.fp8_mega_moe(ref, case.l1, case.l2, case.buffer)
+        monkeypatch.setenv("MEGAMOE_FP8_PAIRS", "1")
         assert torch.equal(y, ref)
         assert torch.isfinite(y).all()
 

@@ -14,6 +14,8 @@ struct GroupedGemmConfig {
   int block_m;         // tokens per tile (the wgmma N dimension): 16, 32 or 64
   int num_stages;      // TMA pipeline depth
   bool fused = false;  // FP8: L1 and L2 in one persistent launch
+  bool pairs = false;  // FP8: that launch in CTA pairs sharing each weight tile (routing in 2 x block_m row blocks)
+  int routing_block() const { return pairs ? 2 * block_m : block_m; }
 };
 
 // Shared memory one stage takes: 256 x 128 weight bytes + block_m x 128 token bytes.
@@ -48,14 +50,24 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   const char* fused_env = std::getenv("MEGAMOE_FP8_FUSED");
   const bool forced = fused_env != nullptr && fused_env[0] == '1', off = fused_env != nullptr && fused_env[0] == '0';
   c.fused = forced || (!off && (num_ranks == 1 || rows <= 96));
+  // NOTES: the pair walk (two CTAs of a cluster take two 64-row token blocks of one expert and TMA-multicast the
+  // weight tile's halves into both) cuts the L2 -> SM bytes of a CTA-stage from 40 to 24 KB. Off by default: H100 A/B
+  // (2026-11-25, docs/bench/h100-2026-11-25-ab-pairs-rejected.json) V4-Flash 4096 / 8192 +8 / +36 %, V4-Pro 8192
+  // +27 %; the same walk without multicast +11 / +48 / +24 %. Tile traces: its L1 main loop per tile is unchanged
+  // (Flash 21.5 vs 20.9 µs, Pro 37.8 vs 38.0) while phantom halves add CTA-tiles; probe_mma.py shows multicast
+  // cutting a 132-SM stream's cost per stage by 43 %, so the kernel's per-stage limit lies elsewhere (perf-notes,
+  // twelfth session). MEGAMOE_FP8_PAIRS=1 turns it on wherever the fused launch runs with block_m 64 (tests do).
+  const char* pairs_env = std::getenv("MEGAMOE_FP8_PAIRS");
+  const bool pairs_on = pairs_env != nullptr && pairs_env[0] == '1';
+  c.pairs = c.fused && c.block_m == 64 && pairs_on;
   if (std::getenv("MEGAMOE_PRINT_CONFIGS") != nullptr) {
     static std::mutex mu;
     static std::set<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>> printed;
     std::lock_guard<std::mutex> lock(mu);
     if (printed.insert({num_tokens, top_k, num_experts, hidden, intermediate, num_ranks}).second)
       std::printf("megamoe: sm90 grouped GEMM T=%lld K=%lld E=%lld H=%lld I=%lld ranks=%lld -> block_m=%d stages=%d "
-                  "fused=%d\n", (long long)num_tokens, (long long)top_k, (long long)num_experts, (long long)hidden,
-                  (long long)intermediate, (long long)num_ranks, c.block_m, c.num_stages, int(c.fused));
+                  "fused=%d pairs=%d\n", (long long)num_tokens, (long long)top_k, (long long)num_experts, (long long)hidden,
+                  (long long)intermediate, (long long)num_ranks, c.block_m, c.num_stages, int(c.fused), int(c.pairs));
   }
   return c;
 }
@@ -105,6 +117,7 @@ inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top
   GroupedGemmConfig c = choose_grouped_gemm(num_tokens, top_k, num_experts, hidden, intermediate);
   c.num_stages = fp4_num_stages_for(c.block_m, act_fp4);
   c.fused = false;  // the FP4 kernels run L1 and L2 as two launches
+  c.pairs = false;
   return c;
 }
 

@@ -34,7 +34,7 @@ void launch_combine(void* y, uint8_t* buffer, const layout::BufferLayout& layout
 // Grouped FP8 GEMMs over (expert, token block, 256 weight rows) tiles: L1 (dispatch rows x w13 -> SwiGLU ->
 // FP8 pool) and L2 (pool x w2 -> bf16 rows in the combine area), as one launch (fused) or two.
 struct GroupedGemmArgs {     // one GEMM's operands
-  CUtensorMap tmap_weights;  // fp8 [E * n, k], box {128, 256}, 128B swizzle
+  CUtensorMap tmap_weights;  // fp8 [E * n, k], box {128, 256} (pair walk: {128, 128}), 128B swizzle
   CUtensorMap tmap_acts;     // fp8 [pool_rows, k], box {128, block_m}, 128B swizzle
   const float* weights_sf;   // float32 [E, n / 64, k / 128]
   const float* acts_sf;      // float32 [k / 128, pool_rows]
@@ -43,6 +43,7 @@ struct GroupedGemmArgs {     // one GEMM's operands
 struct GroupedGemmLaunch {
   int block_m;
   bool fused;              // one launch for both GEMMs
+  bool pairs = false;      // fused walk in CTA pairs sharing each weight tile (block_m 64; routing in 128-row blocks)
   float activation_clamp;  // < 0: no clamp
   bool fast_math;
 };

@@ -28,20 +28,50 @@ namespace megamoe::kernels {
 // Launches with programmatic stream serialization: the kernel may start while its predecessor in the
 // stream finishes, so every kernel launched this way calls ptx::grid_dependency_wait() before it reads
 // anything a predecessor wrote. Captured into CUDA graphs as programmatic edges.
+// `cluster` > 1: thread-block clusters of that many blocks along x (grid.x a multiple of it).
 template <typename... KernelArgs, typename... Args>
-void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                Args&&... args) {
+void launch_pdl_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, int cluster,
+                        cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[1].val.clusterDim.y = 1;
+  attr[1].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = cluster > 1 ? 2 : 1;
+  MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+template <typename... KernelArgs, typename... Args>
+void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                Args&&... args) {
+  launch_pdl_cluster(kernel, grid, block, smem, 1, stream, std::forward<Args>(args)...);
+}
+
+// Clusters of `cluster` blocks of this kernel the GPU holds at once (a persistent grid's size in clusters).
+template <typename... KernelArgs>
+int max_active_clusters(void (*kernel)(KernelArgs...), int cluster, dim3 block, size_t smem) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(cluster);
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
   config.attrs = attr;
   config.numAttrs = 1;
-  MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  int n = 0;
+  MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, reinterpret_cast<const void*>(kernel), &config));
+  if (n < 1) throw std::runtime_error("megamoe: no cluster of " + std::to_string(cluster) + " blocks fits this GPU");
+  return n;
 }
 
 // Global-timer stamps of one block's phases (diagnostic build only, MEGAMOE_TILE_TRACE; benchmarks/tile_trace.py

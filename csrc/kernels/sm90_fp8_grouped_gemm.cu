@@ -2,6 +2,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 
 #include "heuristics/sm90.hpp"
 #include "kernels/sm90_fp8_grouped_gemm.cuh"
@@ -10,22 +11,40 @@ namespace megamoe::kernels {
 
 namespace {
 
-template <int kBlockM, Gemms kGemms>
+template <int kBlockM, Gemms kGemms, bool kPairs = false>
 void launch_config(const GroupedGemmArgs& l1, const GroupedGemmArgs& l2, const GemmParams& p, int num_sms,
                    cudaStream_t stream) {
   constexpr int kStages = heuristics::num_stages_for(kBlockM);
   using Smem = GemmSmem<kBlockM, kStages, kGemms>;
   static_assert(Smem::kBytes <= 227 * 1024, "grouped GEMM shared memory exceeds the 227 KB a block may use");
-  constexpr auto kernel = sm90_fp8_grouped_gemm_kernel<kBlockM, kStages, kGemms>;
+  constexpr auto kernel = sm90_fp8_grouped_gemm_kernel<kBlockM, kStages, kGemms, kPairs>;
   allow_dynamic_smem<kernel>(Smem::kBytes);
-  launch_pdl(kernel, dim3(num_sms), dim3(kNumThreads), Smem::kBytes, stream, l1.tmap_weights, l1.tmap_acts,
-             l2.tmap_weights, l2.tmap_acts, p);
+  if constexpr (kPairs) {
+    // Persistent: as many CTA pairs as the GPU holds at once (the walk waits across CTAs: all must be resident).
+    // NOTES: the count depends on the GPU only, so each device's first query (no sync) serves its later calls.
+    static std::atomic<int> clusters_of[64];
+    int device = 0;
+    MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
+    int clusters = clusters_of[device & 63].load(std::memory_order_relaxed);
+    if (clusters == 0) {
+      clusters = max_active_clusters(kernel, 2, dim3(kNumThreads), Smem::kBytes);
+      clusters_of[device & 63].store(clusters, std::memory_order_relaxed);
+    }
+    launch_pdl_cluster(kernel, dim3(2 * clusters), dim3(kNumThreads), Smem::kBytes, 2, stream, l1.tmap_weights,
+                       l1.tmap_acts, l2.tmap_weights, l2.tmap_acts, p);
+  } else {
+    launch_pdl(kernel, dim3(num_sms), dim3(kNumThreads), Smem::kBytes, stream, l1.tmap_weights, l1.tmap_acts,
+               l2.tmap_weights, l2.tmap_acts, p);
+  }
 }
 
 template <int kBlockM>
 void launch_block_m(const GroupedGemmArgs& l1, const GroupedGemmArgs& l2, const GemmParams& p, bool fused,
-                    int num_sms, cudaStream_t stream) {
-  if (fused) {
+                    bool pairs, int num_sms, cudaStream_t stream) {
+  if (pairs) {
+    if constexpr (kBlockM == 64) return launch_config<kBlockM, Gemms::kFused, true>(l1, l2, p, num_sms, stream);
+    throw std::runtime_error("megamoe: the FP8 pair walk needs block_m = 64, not " + std::to_string(kBlockM));
+  } else if (fused) {
     launch_config<kBlockM, Gemms::kFused>(l1, l2, p, num_sms, stream);
   } else {
     launch_config<kBlockM, Gemms::kL1>(l1, l2, p, num_sms, stream);
@@ -46,9 +65,9 @@ void launch_fp8_grouped_gemms(const GroupedGemmArgs& l1, const GroupedGemmArgs& 
   p.activation_clamp = how.activation_clamp;
   p.fast_math = how.fast_math;
   switch (how.block_m) {
-    case 16: return launch_block_m<16>(l1, l2, p, how.fused, num_sms, stream);
-    case 32: return launch_block_m<32>(l1, l2, p, how.fused, num_sms, stream);
-    case 64: return launch_block_m<64>(l1, l2, p, how.fused, num_sms, stream);
+    case 16: return launch_block_m<16>(l1, l2, p, how.fused, how.pairs, num_sms, stream);
+    case 32: return launch_block_m<32>(l1, l2, p, how.fused, how.pairs, num_sms, stream);
+    case 64: return launch_block_m<64>(l1, l2, p, how.fused, how.pairs, num_sms, stream);
   }
   throw std::runtime_error("megamoe: grouped GEMM has no instantiation for block_m = " + std::to_string(how.block_m));
 }

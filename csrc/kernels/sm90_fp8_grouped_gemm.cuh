@@ -26,6 +26,18 @@
 //    every L1 tile is already held by a running CTA when an L2 tile waits for it, and L1 tiles wait for
 //    nothing: no deadlock whatever number of CTAs is resident. Meanwhile the L2 tile's weights stream in
 //    (they depend on nothing), so L2 overlaps L1's tail instead of following it.
+//  - kFused with kPairs (prefill, block_m 64): the fused walk in clusters of two CTAs that share each weight tile.
+//    Routing counts 128-row blocks, so a work unit is (expert, token-block pair, weight block); the cluster's rank 0
+//    claims units and publishes them to rank 1 through a claim ring in rank 1's shared memory (kClaimDepth
+//    entries, an mbarrier pair each). Rank r takes the pair's rows [64 r, 64 r + 64) and TMA-multicasts weight rows
+//    [128 r, 128 r + 128) of the tile into both CTAs' stage, so each CTA-stage moves 16 + 8 KB from L2 instead of
+//    32 + 8. Both CTAs issue the same stage sequence; a stage is rewritten only when the consumers of both CTAs have
+//    released it (empty barriers count 16 consumer warps: 8 of them remote arrivals). A half past its expert's rows
+//    (odd block count) is a phantom: it streams its weight half for the other CTA, loads no tokens, stores and
+//    counts nothing. Both CTAs pass a cluster barrier before exit (no multicast or remote arrival may target an
+//    exited CTA). Protocol model: docs/models/fused_fp8_cluster_protocol.py (tests/test_models.py). NOTES: built
+//    because ncu (H100, 2026-11-24) read the unpaired walk at T=8192 as bound by L2 -> SM bandwidth; measured slower
+//    (2026-11-25: per-tile main loop unchanged, phantom halves add CTA-tiles), so off unless MEGAMOE_FP8_PAIRS=1.
 #pragma once
 
 #include <cuda.h>
@@ -42,6 +54,7 @@ constexpr int kBlockN = 256;           // weight rows per tile
 constexpr int kBlockK = 128;           // K per stage (one scale block, one 128-byte swizzle row)
 constexpr int kNumThreads = 384;
 constexpr int kNumConsumerThreads = 256;
+constexpr int kClaimDepth = 2;  // pair walk: units rank 0 may claim ahead of rank 1
 
 enum class Gemms { kL1, kL2, kFused };
 
@@ -91,10 +104,11 @@ struct GemmSmem {
   static constexpr int kScales = (kBlockN / 64 + kBlockM) * 4;
   static_assert(kScales % 16 == 0 && kEpilogue % 16 == 0, "scale slots must stay 16-byte aligned");
   static constexpr int kBytes = 1024 /* alignment slack */ + kNumStages * (kTileA + kTileB) + kEpilogue +
-                                2 * kNumStages * 8 + kNumStages * int(sizeof(WorkTile)) + kNumStages * kScales;
+                                2 * kNumStages * 8 + kNumStages * int(sizeof(WorkTile)) + kNumStages * kScales +
+                                kClaimDepth * (2 * 8 + 4);  // the pair walk's claim ring
 };
 
-template <int kBlockM, int kNumStages, Gemms kGemms>
+template <int kBlockM, int kNumStages, Gemms kGemms, bool kPairs>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights1,
                                  const __grid_constant__ CUtensorMap tmap_acts1,
@@ -106,6 +120,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   constexpr int kRegs = Mma::kNumRegs;
   constexpr bool kFused = kGemms == Gemms::kFused;
   static_assert(kBlockM % 8 == 0 && kBlockM <= 64, "token block must be a multiple of 8, at most 64");
+  static_assert(!kPairs || kFused, "the pair walk is a fused walk");
+  constexpr int kRoutingBlock = kPairs ? 2 * kBlockM : kBlockM;  // rows per routing block (a pair: two tiles)
 
   extern __shared__ uint8_t smem_raw[];
   // 128B-swizzled TMA tiles need 1024-byte alignment.
@@ -120,7 +136,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   float* stage_scales = reinterpret_cast<float*>(epilogue + Smem::kEpilogue);
   uint64_t* full = reinterpret_cast<uint64_t*>(stage_scales + kNumStages * (Smem::kScales / 4));
   uint64_t* empty = full + kNumStages;
-  WorkTile* tile_infos = reinterpret_cast<WorkTile*>(empty + kNumStages);  // [kNumStages], see TileInfo
+  uint64_t* claim_full = empty + kNumStages;            // pair walk, rank 1: claim_unit[i] written
+  uint64_t* claim_empty = claim_full + kClaimDepth;     // pair walk, rank 0: rank 1 has read claim_unit[i]
+  WorkTile* tile_infos = reinterpret_cast<WorkTile*>(claim_empty + kClaimDepth);  // [kNumStages], see TileInfo
+  int* claim_unit = reinterpret_cast<int*>(tile_infos + kNumStages);              // [kClaimDepth], rank 1's
+  const uint32_t rank = kPairs ? ptx::cluster_ctarank() : 0, peer = rank ^ 1;
 
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
@@ -134,11 +154,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
       ptx::mbarrier_init(&full[s], 1 + 32);  // lane 0's expect_tx (or plain) arrival + the 32 scale-copy lanes
-      ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32);  // one arrival per consumer warp
+      // One arrival per consumer warp (pair walk: of both CTAs; a stage is multicast into both).
+      ptx::mbarrier_init(&empty[s], (kPairs ? 2 : 1) * kNumConsumerThreads / 32);
     }
+    for (int i = 0; i < kClaimDepth; ++i) ptx::mbarrier_init(&claim_full[i], 1), ptx::mbarrier_init(&claim_empty[i], 1);
     ptx::fence_barrier_init();
   }
-  __syncthreads();
+  // Pair walk: the other CTA's barriers are initialised before any multicast or remote arrival reaches them.
+  if constexpr (kPairs) ptx::cluster_sync();
+  else __syncthreads();
 
   if (warpgroup == 0) {
     // ======================================================================== producer
@@ -147,7 +171,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // NOTES: routing metadata (tile_offset, expert_offset, the zeroed sched words) is final before this grid
       // launches: the predecessor allows the launch only after its own dependency wait, which follows the
       // routing kernel. Reads bypass L1 (__ldcg) so no line cached by an earlier kernel on this SM can be stale.
-      const int num_blocks = __ldcg(tile_offset + num_experts);  // token blocks of kBlockM rows
+      const int num_blocks = __ldcg(tile_offset + num_experts);  // routing blocks (pair walk: pairs of tiles)
       const int nblocks1 = (p.op[0].n + kBlockN - 1) / kBlockN, nblocks2 = (p.op[1].n + kBlockN - 1) / kBlockN;
       const int num_l1_tiles = kGemms == Gemms::kL2 ? 0 : num_blocks * nblocks1;
       const int num_tiles = num_l1_tiles + (kGemms == Gemms::kL1 ? 0 : num_blocks * nblocks2);
@@ -155,8 +179,44 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         WorkTile w;
         w.gemm = tile < num_l1_tiles ? 0 : 1;
         static_cast<TileInfo&>(w) = decode_tile_warp(tile - (w.gemm ? num_l1_tiles : 0), tile_offset, expert_offset,
-                                                num_experts, w.gemm ? nblocks2 : nblocks1, kBlockM);
+                                                num_experts, w.gemm ? nblocks2 : nblocks1, kRoutingBlock);
+        if constexpr (kPairs) {  // this CTA's half of the pair; rows 0: a phantom half
+          const int pair_rows = w.rows;
+          w.row0 += static_cast<int>(rank) * kBlockM;
+          w.rows = max(0, min(kBlockM, pair_rows - static_cast<int>(rank) * kBlockM));
+        }
         return w;
+      };
+      // Pair walk: rank 0 claims from the global counter and publishes each unit in rank 1's claim ring; rank 1
+      // reads them in order and frees the entry. Every lane returns the unit.
+      int num_claims = 0;
+      auto claim = [&] {
+        int unit = 0;
+        if (lane == 0) {
+          if constexpr (kPairs) {
+            const int i = num_claims % kClaimDepth;
+            const uint32_t parity = (num_claims / kClaimDepth) & 1;
+            if (rank == 0) {
+              ptx::mbarrier_wait_cluster(&claim_empty[i], parity ^ 1);
+              unit = atomicAdd(sched, 1);
+              ptx::st_shared_cluster(ptx::mapa_shared(ptx::smem_addr(claim_unit + i), 1), unit);
+              ptx::mbarrier_arrive_cluster(ptx::mapa_shared(ptx::smem_addr(claim_full + i), 1));
+            } else {
+              ptx::mbarrier_wait_cluster(&claim_full[i], parity);
+              unit = *reinterpret_cast<volatile int*>(claim_unit + i);
+              ptx::mbarrier_arrive_cluster(ptx::mapa_shared(ptx::smem_addr(claim_empty + i), 0));
+            }
+          } else {
+            unit = atomicAdd(sched, 1);
+          }
+        }
+        ++num_claims;
+        return __shfl_sync(0xffffffffu, unit, 0);
+      };
+      // A stage is free once its consumers released it (pair walk: both CTAs' consumers, 8 warps remote).
+      auto wait_empty = [&](int s, uint32_t parity) {
+        if constexpr (kPairs) ptx::mbarrier_wait_cluster(&empty[s], parity);
+        else ptx::mbarrier_wait(&empty[s], parity);
       };
       if (lane == 0) {  // the tensor maps this launch uses
         if constexpr (kGemms != Gemms::kL2) {
@@ -179,8 +239,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       };
       // Every L1 tile of expert e has stored its pool rows and scales (its consumers' release, acquired here).
       auto l1_done = [&](int e) {
-        const int needed = (__ldcg(tile_offset + e + 1) - __ldcg(tile_offset + e)) * nblocks1;
-        return ptx::ld_acquire_gpu(sched + 1 + e) >= needed;
+        // Pair walk: the expert's real 64-row halves (phantom halves count nothing).
+        const int blocks = kPairs ? (__ldcg(expert_offset + e + 1) - __ldcg(expert_offset + e) + kBlockM - 1) / kBlockM
+                                  : __ldcg(tile_offset + e + 1) - __ldcg(tile_offset + e);
+        return ptx::ld_acquire_gpu(sched + 1 + e) >= blocks * nblocks1;
       };
       Pending pending[kNumStages];
       int num_pending = 0, pending_expert = -1;  // the fused L2 tile's expert the pending parts wait for
@@ -226,8 +288,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       for (bool first = true;; first = false) {
         flush_pending();  // the previous tile's token parts (see Pending)
         if constexpr (kFused) {
-          tile = lane == 0 ? atomicAdd(sched, 1) : 0;
-          tile = __shfl_sync(0xffffffffu, tile, 0);
+          tile = claim();
         } else if (!first) {
           tile += static_cast<int>(gridDim.x);
         }
@@ -237,7 +298,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #endif
         if (tile >= num_tiles) {
           // End marker: one more stage, no data, which the consumers read and stop at.
-          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+          wait_empty(stage, phase ^ 1);
           if (lane == 0) {
             WorkTile end{};
             end.expert = -1;
@@ -255,8 +316,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const int weight_row = t.expert * op.n + t.n_block * kBlockN;
         const int first_chunk = weight_row / 64;
         const bool chunk_valid = lane < kBlockN / 64 && t.n_block * kBlockN + lane * 64 < op.n;
+        // A phantom half (pair walk) has no token part: it streams its weight half for the other CTA.
+        const bool has_tokens = !kPairs || t.rows > 0;
         // A fused L2 tile whose expert's L1 tiles are done already loads its token part directly.
-        bool tile_ready = !(kFused && t.gemm == 1);
+        bool tile_ready = !(kFused && t.gemm == 1) || !has_tokens;
         // Warp-uniform (every lane's own acquire must have seen the count before any lane loads).
         if (kFused && !tile_ready && grid_ready && __all_sync(0xffffffffu, l1_done(t.expert))) {
           ptx::fence_proxy_async_global();
@@ -267,11 +330,17 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             flush_pending();  // this tile's (see Pending): both of its gates are open afterwards
             tile_ready = true;
           }
-          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+          wait_empty(stage, phase ^ 1);
           if (lane == 0) {
             if (kb == 0) tile_infos[stage] = t;
-            ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + Smem::kTileB);
-            ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w, &full[stage], kb * kBlockK, weight_row);
+            // Both weight halves land here (pair walk: one of them multicast by the other CTA, maybe first: bytes
+            // before this phase's expect_tx are allowed, and the slot was free in both CTAs).
+            ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + (has_tokens ? Smem::kTileB : 0));
+            if constexpr (kPairs)
+              ptx::tma_load_2d_multicast(tile_a + stage * Smem::kTileA + rank * (Smem::kTileA / 2), tmap_w, &full[stage],
+                                         kb * kBlockK, weight_row + static_cast<int>(rank) * (kBlockN / 2), 0x3);
+            else
+              ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w, &full[stage], kb * kBlockK, weight_row);
 #ifdef MEGAMOE_TILE_TRACE
             if (kb == 0 && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
 #endif
@@ -280,7 +349,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           if (chunk_valid)
             ptx::cp_async_4(stage_scales + stage * (Smem::kScales / 4) + lane,
                             op.weights_sf + int64_t(first_chunk + lane) * num_kblocks + kb);
-          if (!grid_ready || !tile_ready) {
+          if (!has_tokens) {
+            ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);  // the weight scales only
+          } else if (!grid_ready || !tile_ready) {
             pending[num_pending++] = {stage, kb, t.row0, t.rows, t.gemm};
             if (!tile_ready) pending_expert = t.expert;
           } else {
@@ -298,6 +369,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                  static_cast<unsigned long long>(trace_tile[i] < num_tiles ? trace_issue[i] : trace_claim[i]));
 #endif
     }
+    if constexpr (kPairs) ptx::cluster_sync();  // see the consumers' exit
     return;
   }
 
@@ -326,6 +398,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   auto trace_epilogue = [](int) {};
 #endif
   const uint32_t tile_a_desc_lo = ptx::smem_desc_sw128_lo(tile_a), tile_b_desc_lo = ptx::smem_desc_sw128_lo(tile_b);
+  // A consumed stage goes back to the producers that write it: this CTA's, and in the pair walk the other CTA's
+  // (its multicast half lands here too).
+  const uint32_t peer_empty = kPairs ? ptx::mapa_shared(ptx::smem_addr(empty), peer) : 0;
+  auto release = [&](int s) {
+    __syncwarp();
+    if (lane == 0) {
+      ptx::mbarrier_arrive(&empty[s]);
+      if constexpr (kPairs) ptx::mbarrier_arrive_remote(peer_empty + s * 8);
+    }
+  };
 
   for (;;) {
     ptx::mbarrier_wait(&full[stage], phase);  // the tile's first stage carries its WorkTile
@@ -335,6 +417,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int n = p.op[t.gemm].n, num_kblocks = p.op[t.gemm].k / kBlockK;
     // NOTES: n (= hidden in L2) is a multiple of 128, not always of 256: the last tile's upper half
     // then lies past this expert's rows; its scales are never read and its rows never stored.
+    if (kPairs && t.rows == 0) {  // a phantom half: its stages carry the weight half the other CTA needs
+      for (int kb = 0; kb < num_kblocks; ++kb) {
+        ptx::mbarrier_wait(&full[stage], phase);
+        release(stage);
+        if (++stage == kNumStages) stage = 0, phase ^= 1;
+      }
+      continue;
+    }
     const int first_row = t.n_block * kBlockN + consumer * 128;
     const bool valid0 = first_row < n, valid1 = first_row + 64 < n;
 
@@ -413,8 +503,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ptx::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part1[i]);
-      __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
+      release(stage);
       if (++stage == kNumStages) stage = 0, phase ^= 1;
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) acc1[i] += part1[i] * (ws1 * col_sf[(i / 4) * 2 + (i % 2)]);
@@ -505,6 +594,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (ctid == 0 && trace_n < kTraceTiles) trace_t[trace_n++][2] = ptx::globaltimer_ns();  // epilogue done
 #endif
   }
+  if constexpr (kPairs) ptx::cluster_sync();  // no multicast or remote arrival may reach an exited CTA
 #ifdef MEGAMOE_TILE_TRACE
   if (ctid == 0) {
     printf("MMTRACE E %d %u %llu %llu\n", blockIdx.x, trace_smid(), static_cast<unsigned long long>(trace_entry),

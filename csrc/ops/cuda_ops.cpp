@@ -48,20 +48,21 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
   const auto bm = static_cast<uint32_t>(cfg.block_m);
 
   // ---- routing and gather (dispatch: every rank's tokens routed to this rank's experts)
-  kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
+  kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.routing_block(),
                           recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream);
   kernels::launch_gather(buf, l, ActRecipe::kFP8F32Block128, sms, stream);
 
   // ---- L1: dispatch rows x w13 -> SwiGLU -> FP8 pool; L2: pool x w2 -> bf16 rows in the combine area
   kernels::GroupedGemmArgs g1;
-  g1.tmap_weights = kernels::make_tensor_map_2d(l1_weights.data_ptr(), h, e * 2 * inter, h, 128, 256);
+  const uint32_t weight_box = cfg.pairs ? 128 : 256;  // pair walk: each CTA loads (and multicasts) half a tile
+  g1.tmap_weights = kernels::make_tensor_map_2d(l1_weights.data_ptr(), h, e * 2 * inter, h, 128, weight_box);
   g1.tmap_acts = kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, h, rows, l.token_bytes, 128, bm);
   g1.acts_sf = reinterpret_cast<const float*>(buf + l.dispatch_sf_offset);
   g1.weights_sf = l1_weights_sf.data_ptr<float>();
   g1.n = static_cast<int>(2 * inter);
   g1.k = static_cast<int>(h);
   kernels::GroupedGemmArgs g2;
-  g2.tmap_weights = kernels::make_tensor_map_2d(l2_weights.data_ptr(), inter, e * h, inter, 128, 256);
+  g2.tmap_weights = kernels::make_tensor_map_2d(l2_weights.data_ptr(), inter, e * h, inter, 128, weight_box);
   g2.tmap_acts = kernels::make_tensor_map_2d(buf + l.pool_offset, inter, rows, l.pool_row_bytes, 128, bm);
   g2.acts_sf = reinterpret_cast<const float*>(buf + l.pool_sf_offset);
   g2.weights_sf = l2_weights_sf.data_ptr<float>();
@@ -70,6 +71,7 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
   kernels::GroupedGemmLaunch how;
   how.block_m = cfg.block_m;
   how.fused = cfg.fused;
+  how.pairs = cfg.pairs;
   how.activation_clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
   how.fast_math = fast_math;
   kernels::launch_fp8_grouped_gemms(g1, g2, buf, l, how, sms, stream);

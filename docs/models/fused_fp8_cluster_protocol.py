@@ -1,5 +1,5 @@
-"""Model check of a planned protocol (not built yet): the fused FP8 grouped GEMM's walk in two-CTA clusters that share
-each weight tile by TMA multicast (docs/perf-notes.md, eleventh session: T=8192 is bound by L2 -> SM bandwidth, and
+"""Model check of the pair walk (csrc/kernels/sm90_fp8_grouped_gemm.cuh, kPairs): the fused FP8 grouped GEMM's walk
+in two-CTA clusters that share each weight tile by TMA multicast (docs/perf-notes.md, eleventh session: T=8192 is bound by L2 -> SM bandwidth, and
 a pair that shares the 32 KB weight stage moves 24 KB per CTA-stage instead of 40). It extends
 fused_fp8_protocol.py (the one-CTA walk, as built); rerun both when the protocol changes.
 
