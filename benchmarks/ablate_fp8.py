@@ -1,0 +1,62 @@
+"""Ablation builds of the FP8 grouped GEMM (diagnostic; wrong results by design, timing only).
+
+Patches a copy of the source tree so the producer leaves out parts of each stage, to see which of them bounds the
+main loop (docs/perf-notes.md, twelfth session: ~1,150 cycles per stage at T=8192 against 641 for the MMA):
+  no-scales      no weight-scale or token-scale cp.async (the lanes still arrive: the stage completes without them)
+  no-token-tma   no token tile (its bytes leave the stage's expect_tx)
+  no-weight-tma  no weight tile (the consumers multiply whatever the slot holds)
+The consumers run unchanged on whatever the slots hold, so outputs are garbage; bench_moe --no-peer times them.
+
+    python3 benchmarks/ablate_fp8.py TREE no-scales[,no-token-tma,...]
+    e.g. on the device: AB_VARIANTS=".ab/main .ab/abl-scales" bash benchmarks/ab.sh (no AB_TESTS for these trees)
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+KERNEL = "csrc/kernels/sm90_fp8_grouped_gemm.cuh"
+
+# (ablation, original text, replacement); each original must occur exactly once.
+PATCHES = {
+    "no-scales": [
+        ("          if (c < rows) ptx::cp_async_4(dst + c, src + c);",
+         "          if (false && c < rows) ptx::cp_async_4(dst + c, src + c);"),
+        ("          if (chunk_valid)\n            ptx::cp_async_4(",
+         "          if (false && chunk_valid)\n            ptx::cp_async_4("),
+    ],
+    "no-token-tma": [
+        ("        if (lane == 0)\n          ptx::tma_load_2d(tile_b + stage * Smem::kTileB,",
+         "        if (false && lane == 0)\n          ptx::tma_load_2d(tile_b + stage * Smem::kTileB,"),
+        ("Smem::kTileA + (has_tokens ? Smem::kTileB : 0));",
+         "Smem::kTileA + 0 * (has_tokens ? Smem::kTileB : 0));"),
+    ],
+    "no-weight-tma": [
+        ("            else\n              ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w, &full[stage], kb * kBlockK, weight_row);",
+         "            else if (false)\n              ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w, &full[stage], kb * kBlockK, weight_row);"),
+        ("ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + ",
+         "ptx::mbarrier_arrive_expect_tx(&full[stage], 0 * Smem::kTileA + "),
+    ],
+}
+
+
+def main():
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    tree, names = sys.argv[1], sys.argv[2].split(",")
+    path = os.path.join(tree, KERNEL)
+    text = open(path).read()
+    for name in names:
+        if name not in PATCHES:
+            sys.exit(f"ablate_fp8: unknown ablation {name!r}; known: {', '.join(PATCHES)}")
+        for old, new in PATCHES[name]:
+            if text.count(old) != 1:
+                sys.exit(f"ablate_fp8: {name}: expected the text once in {KERNEL}, found {text.count(old)}:\n{old}")
+            text = text.replace(old, new)
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"ablate_fp8: {path}: {', '.join(names)}")
+
+
+if __name__ == "__main__":
+    main()
