@@ -297,11 +297,16 @@ def test_fused_launch_equals_two_launches(case_args, fused_env):
     assert rel_err(y_fused, case.ref) <= TOL
 
 
-def test_fused_launch_graph_replay(fused_env):
-    """The fused launch captured in a CUDA graph and replayed with new inputs (its counters are reset by the
-    routing kernel inside the graph) equals eager two-launch calls on those inputs."""
+@pytest.mark.parametrize("walk", ["unpaired", "pairs"])
+def test_fused_launch_graph_replay(walk, fused_env, monkeypatch):
+    """The fused launch (the one-CTA walk, or the pair walk: MEGAMOE_FP8_PAIRS=1) captured in a CUDA graph and
+    replayed with new inputs (its counters are reset by the routing kernel inside the graph) equals eager
+    two-launch calls on those inputs."""
     fused_env(True)
-    case = make_case(16, 256, 384, 4, 64, device="cuda", seed=21)
+    if walk == "pairs":
+        monkeypatch.setenv("MEGAMOE_FP8_PAIRS", "1")
+    shape = (16, 256, 384, 4, 64) if walk == "unpaired" else (8, 256, 384, 4, 200)  # pairs: 100 rows, block_m 64
+    case = make_case(*shape, device="cuda", seed=21)
     y = torch.empty_like(case.x)
     x_in, idx_in, w_in = case.x.clone(), case.topk_idx.clone(), case.topk_weights.clone()
 
@@ -311,14 +316,14 @@ def test_fused_launch_graph_replay(fused_env):
 
     graph = capture_graph(call)
     for seed in (1, 2):
-        other = make_case(16, 256, 384, 4, 64, device="cuda", seed=21 + seed, with_ref=False)  # new inputs
+        other = make_case(*shape, device="cuda", seed=21 + seed, with_ref=False)  # new inputs
         x_in.copy_(other.x), idx_in.copy_(other.topk_idx), w_in.copy_(other.topk_weights)
         y.fill_(float("nan"))
         poison_outputs(case.buffer)
         graph.replay()
         torch.cuda.synchronize()
         assert sched_words(case)[0] > 0  # the captured launch is the fused one
-        fused_env(False)
+        fused_env(False)  # two launches (the pair walk runs only in the fused launch)
         megamoe.pre_dispatch(x_in, idx_in, w_in, case.buffer, weight_format="fp8")
         ref = torch.full_like(y, float("nan"))
         megamoe.fp8_mega_moe(ref, case.l1, case.l2, case.buffer)
@@ -383,35 +388,6 @@ def test_pair_walk_equals_unpaired(case_args, monkeypatch):
     assert torch.equal(outs[2], outs[0])
     assert torch.equal(stats[1], stats[0]) and torch.equal(stats[2], stats[0])
     assert rel_err(outs[1], case.ref) <= TOL
-
-
-def test_pair_walk_graph_replay(monkeypatch):
-    """The pair walk captured in a CUDA graph and replayed with new inputs equals eager unpaired calls."""
-    monkeypatch.setenv("MEGAMOE_FP8_PAIRS", "1")
-    shape = (8, 256, 384, 4, 200)  # 100 rows per expert: block_m 64
-    case = make_case(*shape, device="cuda", seed=31)
-    y = torch.empty_like(case.x)
-    x_in, idx_in, w_in = case.x.clone(), case.topk_idx.clone(), case.topk_weights.clone()
-
-    def call():
-        megamoe.pre_dispatch(x_in, idx_in, w_in, case.buffer, weight_format="fp8")
-        megamoe.fp8_mega_moe(y, case.l1, case.l2, case.buffer)
-
-    graph = capture_graph(call)
-    for seed in (1, 2):
-        other = make_case(*shape, device="cuda", seed=31 + seed, with_ref=False)
-        x_in.copy_(other.x), idx_in.copy_(other.topk_idx), w_in.copy_(other.topk_weights)
-        y.fill_(float("nan"))
-        poison_outputs(case.buffer)
-        graph.replay()
-        torch.cuda.synchronize()
-        monkeypatch.setenv("MEGAMOE_FP8_PAIRS", "0")
-        megamoe.pre_dispatch(x_in, idx_in, w_in, case.buffer, weight_format="fp8")
-        ref = torch.full_like(y, float("nan"))
-        megamoe.fp8_mega_moe(ref, case.l1, case.l2, case.buffer)
-        monkeypatch.setenv("MEGAMOE_FP8_PAIRS", "1")
-        assert torch.equal(y, ref)
-        assert torch.isfinite(y).all()
 
 
 # ------------------------------------------------------------------------------------------------
