@@ -6,6 +6,7 @@ main loop (docs/perf-notes.md, twelfth session: ~1,150 cycles per stage at T=819
   no-token-tma   no token tile (its bytes leave the stage's expect_tx)
   no-weight-tma  no weight tile (the consumers multiply whatever the slot holds)
 The consumers run unchanged on whatever the slots hold, so outputs are garbage; bench_moe --no-peer times them.
+Unpaired walk only: with MEGAMOE_FP8_PAIRS=1 no-weight-tma would leave the multicast halves uncounted (a hang).
 
     python3 benchmarks/ablate_fp8.py TREE no-scales[,no-token-tma,...]
     e.g. on the device: AB_VARIANTS=".ab/main .ab/abl-scales" bash benchmarks/ab.sh (no AB_TESTS for these trees)

@@ -54,7 +54,7 @@ constexpr int kStages = 4, kBlockK = 128;
 // it into both CTAs, plus its own B; a stage is refilled once both CTAs' consumers released it (the pair walk's
 // protocol, 2026-11-25).
 // kScales (with kCopy): as the kernel, the producer warp's lanes also copy the stage's 4 weight-chunk scales and 64 token
-// scales (4-byte cp.async each, from a 1 MB region) and arrive on the stage's full barrier when they land.
+// scales (4-byte cp.async each, L2-resident) and arrive on the stage's full barrier when they land.
 template <int kN, int kSlices, bool kPromote, bool kCopy, bool kPair = false, bool kScales = false>
 __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t wrap_bytes, int iters,
                                                      int64_t* cycles) {
@@ -86,7 +86,8 @@ __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t
     ptx::setmaxnreg_dec<40>();
     if (threadIdx.x < 32) {
       const uint8_t* base = src + int64_t(blockIdx.x) * wrap_bytes;
-      // Scale lanes (kScales): each stage's 68 floats from an L2-resident window of src, a new one per stage.
+      // Scale lanes (kScales): each stage's 68 floats from this CTA's 16 KB window at the start of src (2 MB for 132
+      // CTAs: L2-resident), a new offset per stage.
       const float* sf = reinterpret_cast<const float*>(src) + int64_t(blockIdx.x) * 4096;
       int64_t off = 0;
       for (int it = 0, s = 0; it < iters; ++it, s = (s + 1) % kStages) {
@@ -277,19 +278,19 @@ def main():
               for pair, scales in ((True, False), (False, True), (True, True))
               for data, wrap in (("copy from L2", 128 << 10), ("copy from HBM", big))]
     for shape, name, promote, data, wrap, pair, scales in cases:
-                for n in ((2, sms) if pair else (1, sms)):
-                    def call():
-                        mod.mma(src, shape, promote, wrap > 0, pair, scales, max(wrap, 1), n, args.iters, cycles)
+        for n in ((2, sms) if pair else (1, sms)):  # a pair needs two SMs
+            def call():
+                mod.mma(src, shape, promote, wrap > 0, pair, scales, max(wrap, 1), n, args.iters, cycles)
 
-                    us = bu.time_events(call, iters=10, flush=False)
-                    cyc = cycles[:n].double().median().item() / (args.iters - 1)
-                    tflops = 2 * MACS_PER_STAGE * args.iters * n / us / 1e6
-                    row = dict(shape=name, promote=promote, data=data, pair=pair, scales=scales, sms=n, cycles_per_stage=round(cyc, 1),
-                               of_peak=round(MACS_PER_STAGE / PEAK_MACS_PER_CYCLE / cyc, 3),
-                               us_per_stage=round(us / args.iters, 4), tflops=round(tflops, 1))
-                    rows.append(row)
-                    print(f"{name:12} {str(promote):7} {data:13} {n:4d} {cyc:12.1f} {row['of_peak']:7.3f} "
-                          f"{row['us_per_stage']:8.4f} {tflops:8.1f}", flush=True)
+            us = bu.time_events(call, iters=10, flush=False)
+            cyc = cycles[:n].double().median().item() / (args.iters - 1)
+            tflops = 2 * MACS_PER_STAGE * args.iters * n / us / 1e6
+            row = dict(shape=name, promote=promote, data=data, pair=pair, scales=scales, sms=n,
+                       cycles_per_stage=round(cyc, 1), of_peak=round(MACS_PER_STAGE / PEAK_MACS_PER_CYCLE / cyc, 3),
+                       us_per_stage=round(us / args.iters, 4), tflops=round(tflops, 1))
+            rows.append(row)
+            print(f"{name:12} {str(promote):7} {data:13} {n:4d} {cyc:12.1f} {row['of_peak']:7.3f} "
+                  f"{row['us_per_stage']:8.4f} {tflops:8.1f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=props.name, iters=args.iters, rows=rows), f, indent=1)

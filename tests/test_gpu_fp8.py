@@ -253,11 +253,16 @@ def gemm_block_m(num_tokens, top_k, num_experts):
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
+def routing_blocks(case, block_m):
+    """Per expert, its token blocks of block_m rows (what routing writes into tile_offset)."""
+    off = case.buffer.view("expert_offset", (case.num_experts + 1,), torch.int32).tolist()
+    return [-(-(off[x + 1] - off[x]) // block_m) for x in range(case.num_experts)]
+
+
 def expected_l1_counts(case, l1_nblocks, block_m):
     """Per expert, the fused walk's count of stored L1 tiles: one per real token block of block_m rows and weight
     block (the pair walk's phantom halves count nothing)."""
-    off = case.buffer.view("expert_offset", (case.num_experts + 1,), torch.int32).tolist()
-    return [-(-(off[x + 1] - off[x]) // block_m) * l1_nblocks for x in range(case.num_experts)]
+    return [b * l1_nblocks for b in routing_blocks(case, block_m)]
 
 
 @pytest.mark.parametrize("case_args", [(8, 256, 384, 3, 113, 0.25), (16, 384, 256, 4, 7, 0.0),
@@ -323,6 +328,9 @@ def test_fused_launch_graph_replay(walk, fused_env, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert sched_words(case)[0] > 0  # the captured launch is the fused one
+        if walk == "pairs":  # and the pair walk: routing counted 128-row blocks
+            tile_offset = case.buffer.view("tile_offset", (case.num_experts + 1,), torch.int32).tolist()
+            assert tile_offset[-1] == sum(routing_blocks(case, 128))
         fused_env(False)  # two launches (the pair walk runs only in the fused launch)
         megamoe.pre_dispatch(x_in, idx_in, w_in, case.buffer, weight_format="fp8")
         ref = torch.full_like(y, float("nan"))
@@ -335,9 +343,10 @@ def test_fused_launch_graph_replay(walk, fused_env, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # The fused walk in CTA pairs sharing each weight tile (MEGAMOE_FP8_PAIRS=1 / =0, read per call)
 # ------------------------------------------------------------------------------------------------
-def skew_rows(case, num_experts, rows_per_expert):
-    """Slot 0 of token j goes to expert j mod E' for the first sum(rows) tokens, so expert x gets at least
-    rows_per_expert[x] rows (one token block, two, a pair and a phantom half, ...); the other slots stay random.
+def skew_rows(case, rows_per_expert):
+    """Slot 0 of the first sum(rows) tokens goes to experts in runs: rows_per_expert[0] tokens to expert 0, the next
+    rows_per_expert[1] to expert 1, ... (masked slot-0 entries among them become valid), so expert x gets at least
+    rows_per_expert[x] rows (one token block, two, a pair and a phantom half, ...); the other slots stay as drawn.
     Updates the reference."""
     idx = case.topk_idx.clone()
     j = 0
@@ -361,13 +370,15 @@ def test_pair_walk_equals_unpaired(case_args, monkeypatch):
     tiles counted. Rows per expert cover one block (a phantom half), two, three (a pair and a phantom half), an
     expert with 1 row, empty experts, hidden not a multiple of 256 (the last L2 tile's upper half lies past the
     expert's rows: rank 1's whole weight half) and the V4-Flash shape at T=4096 (96 rows per expert). The pair walk
-    is off by default (slower today: csrc/heuristics/sm90.hpp); the third call checks the default too."""
+    is off by default (slower today: csrc/heuristics/sm90.hpp); the third call checks the default too. tile_offset
+    tells the walks apart: routing counts 128-row blocks for the pair walk, 64-row blocks otherwise."""
     e, h, i, k, t, rows = case_args
+    monkeypatch.delenv("MEGAMOE_FP8_FUSED", raising=False)  # the pair walk runs in the fused launch
     if e >= 256:
         release_gpu_memory()
     case = make_case(e, h, i, k, t, device="cuda", masked_fraction=0.1, seed=t + e + 7)
     if rows:
-        skew_rows(case, e, rows)
+        skew_rows(case, rows)
     assert gemm_block_m(t, k, e) == 64  # the pair walk needs 64-row token blocks
     stats = [torch.zeros(e, dtype=torch.int32, device="cuda") for _ in range(3)]
     outs = []
@@ -378,11 +389,12 @@ def test_pair_walk_equals_unpaired(case_args, monkeypatch):
             monkeypatch.setenv("MEGAMOE_FP8_PAIRS", setting)
         poison_outputs(case.buffer)
         outs.append(run_poisoned(case, recv_stats=stats[n]))
+        tile_offset = case.buffer.view("tile_offset", (e + 1,), torch.int32).tolist()
+        assert tile_offset[e] == sum(routing_blocks(case, 128 if setting == "1" else 64))
         if setting == "1":
             words = sched_words(case)
-            pairs = case.buffer.view("tile_offset", (e + 1,), torch.int32).tolist()[e]
             l1_nblocks, l2_nblocks = (2 * i + 255) // 256, (h + 255) // 256
-            assert words[0] >= pairs * (l1_nblocks + l2_nblocks) > 0
+            assert words[0] >= tile_offset[e] * (l1_nblocks + l2_nblocks) > 0
             assert words[1:] == expected_l1_counts(case, l1_nblocks, 64)
     assert torch.equal(outs[1], outs[0])
     assert torch.equal(outs[2], outs[0])

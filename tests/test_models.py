@@ -34,7 +34,7 @@ def test_fused_fp8_protocol_random_configurations():
 
 
 def test_fused_fp8_cluster_protocol_random_configurations():
-    """The planned two-CTA cluster walk (weight tiles shared by multicast): no deadlock, every (unit, rank) consumed
+    """The pair walk (two-CTA clusters sharing weight tiles by multicast; built, off by default): no deadlock, every (unit, rank) consumed
     once, no multicast into a slot the peer CTA has not released, L2 token parts after their expert's L1 blocks, and
     L1 counts from real blocks only (odd block counts give phantom halves), over 80 random configurations."""
     model = load("fused_fp8_cluster_protocol")

@@ -53,7 +53,8 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   // NOTES: the pair walk (two CTAs of a cluster take two 64-row token blocks of one expert and TMA-multicast the
   // weight tile's halves into both) cuts the L2 -> SM bytes of a CTA-stage from 40 to 24 KB. Off by default: H100 A/B
   // (2026-11-25, docs/bench/h100-2026-11-25-ab-pairs-rejected.json) V4-Flash 4096 / 8192 +8 / +36 %, V4-Pro 8192
-  // +27 %; the same walk without multicast +11 / +48 / +24 %. Tile traces: its L1 main loop per tile is unchanged
+  // +27 %; in a second run +8 / +43 / +21 %, and the same walk without multicast +11 / +48 / +24 % (-no-multicast-
+  // rejected.json). Tile traces: its L1 main loop per tile is unchanged
   // (Flash 21.5 vs 20.9 µs, Pro 37.8 vs 38.0) while phantom halves add CTA-tiles; probe_mma.py shows multicast
   // cutting a 132-SM stream's cost per stage by 43 %, so the kernel's per-stage limit lies elsewhere (perf-notes,
   // twelfth session). MEGAMOE_FP8_PAIRS=1 turns it on wherever the fused launch runs with block_m 64 (tests do).
@@ -66,8 +67,9 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
     std::lock_guard<std::mutex> lock(mu);
     if (printed.insert({num_tokens, top_k, num_experts, hidden, intermediate, num_ranks}).second)
       std::printf("megamoe: sm90 grouped GEMM T=%lld K=%lld E=%lld H=%lld I=%lld ranks=%lld -> block_m=%d stages=%d "
-                  "fused=%d pairs=%d\n", (long long)num_tokens, (long long)top_k, (long long)num_experts, (long long)hidden,
-                  (long long)intermediate, (long long)num_ranks, c.block_m, c.num_stages, int(c.fused), int(c.pairs));
+                  "fused=%d pairs=%d\n", (long long)num_tokens, (long long)top_k, (long long)num_experts,
+                  (long long)hidden, (long long)intermediate, (long long)num_ranks, c.block_m, c.num_stages,
+                  int(c.fused), int(c.pairs));
   }
   return c;
 }

@@ -568,7 +568,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     // in the epilogue, each where it is used (registers).
     // NOTES: as the FP8 kernel (3cd2071). H100 A/B, V4-Flash, 2 rounds (docs/bench/
     // h100-2026-11-25-ab-fp4-early-inputs.json): T = 16-512 -2.5 to -8 % per replay for every MXFP4 / NVFP4 x FP8 /
-    // FP4-token pair, T=1 -1 %, 2048 within 2.5 %.
+    // FP4-token pair (in a graph -1 to -6 %, but NVFP4 T=512 +1-2 %), T=1 within +-2 %, 2048 within 2.5 %.
     constexpr bool kEarlyEpilogueInputs = kBlockM <= 16;
     float col_f[kBlockM / 4];
     float col_w[kBlockM / 4];

@@ -157,7 +157,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // One arrival per consumer warp (pair walk: of both CTAs; a stage is multicast into both).
       ptx::mbarrier_init(&empty[s], (kPairs ? 2 : 1) * kNumConsumerThreads / 32);
     }
-    for (int i = 0; i < kClaimDepth; ++i) ptx::mbarrier_init(&claim_full[i], 1), ptx::mbarrier_init(&claim_empty[i], 1);
+    if constexpr (kPairs)
+      for (int i = 0; i < kClaimDepth; ++i)
+        ptx::mbarrier_init(&claim_full[i], 1), ptx::mbarrier_init(&claim_empty[i], 1);
     ptx::fence_barrier_init();
   }
   // Pair walk: the other CTA's barriers are initialised before any multicast or remote arrival reaches them.
@@ -337,8 +339,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             // before this phase's expect_tx are allowed, and the slot was free in both CTAs).
             ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + (has_tokens ? Smem::kTileB : 0));
             if constexpr (kPairs)
-              ptx::tma_load_2d_multicast(tile_a + stage * Smem::kTileA + rank * (Smem::kTileA / 2), tmap_w, &full[stage],
-                                         kb * kBlockK, weight_row + static_cast<int>(rank) * (kBlockN / 2), 0x3);
+              ptx::tma_load_2d_multicast(tile_a + stage * Smem::kTileA + rank * (Smem::kTileA / 2), tmap_w,
+                                         &full[stage], kb * kBlockK, weight_row + static_cast<int>(rank) * (kBlockN / 2),
+                                         0x3);
             else
               ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w, &full[stage], kb * kBlockK, weight_row);
 #ifdef MEGAMOE_TILE_TRACE
