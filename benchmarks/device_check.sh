@@ -2,6 +2,8 @@
 # One call on the GPU machine: build, GPU tests, benchmark. Logs under $OUT (or ./device_out).
 #   benchmarks/device_check.sh [build|quick|test|sanitize|profile|bench|fp4|all][,more modes] [pytest -k expression]
 #   fp4: the FP4 GPU tests (with the sweep and the exactness test), then the FP4 probe benchmark.
+#   ablate: FP8 GEMM ablation builds with tile traces (ABLATIONS, ABL_MODEL, ABL_TOKENS; see below).
+#   sanitize: SANITIZE_FP8_K / SANITIZE_FP4_K replace the test selections (e.g. SANITIZE_FP8_K=pair_walk).
 #   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below).
 #   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py).
 #   ep: expert parallelism on every GPU of the machine: tests/test_ep.py (EP_FORMATS, default fp8:fp8) then bench_ep.py
@@ -20,7 +22,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$out/gpu.txt"
 
-if [ "$what" != stream ]; then  # the stream probe alone needs no build of the extension
+if [ "$what" != stream ] && [ "$what" != ablate ]; then  # these build their own trees (or none)
   start=$(date +%s)
   python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"
@@ -78,6 +80,22 @@ fi
 if has bench; then
   python3 benchmarks/bench_moe.py --formats "${BENCH_FORMATS:-fp8}" --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.log"
 fi
+if has ablate; then
+  # Ablation builds of the FP8 GEMM (benchmarks/ablate_fp8.py: timing only, outputs garbage), each with a tile trace of
+  # one call: ABLATIONS (space-separated; "none" or a comma list of ablations), ABL_MODEL (V4-Flash), ABL_TOKENS (8192).
+  for abl in ${ABLATIONS:-none no-scales,no-token-tma,no-weight-tma}; do
+    tree=$(mktemp -d)
+    tar --exclude=./build --exclude=./.ab --exclude='./megamoe/*.so' -cf - . | tar -xf - -C "$tree"
+    [ "$abl" != none ] && python3 benchmarks/ablate_fp8.py "$tree" "$abl"
+    tag=${abl//,/+}
+    if ! (cd "$tree" && MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE python3 setup.py build_ext --inplace >"$out/build-abl-$tag.log" 2>&1); then
+      tail -20 "$out/build-abl-$tag.log"; continue
+    fi
+    (cd "$tree" && PYTHONPATH="$tree" timeout 300 python3 benchmarks/tile_trace.py --model "${ABL_MODEL:-V4-Flash}" \
+      --tokens "${ABL_TOKENS:-8192}") >"$out/trace-abl-$tag.txt" 2>&1
+    echo "== ablation $abl"; sed -n 3,4p "$out/trace-abl-$tag.txt" | cut -c1-200
+  done
+fi
 if has sanitize; then
   # Last (slowest): reduced GPU suite under compute-sanitizer (memcheck, racecheck on shared memory).
   # racecheck instruments megamoe's kernels only: on torch's own reduce_kernel (the tests' amax) it reports
@@ -85,7 +103,7 @@ if has sanitize; then
   for tool in memcheck racecheck; do
     filter=(); [ $tool = racecheck ] && filter=(--kernel-name kns=megamoe)
     compute-sanitizer --tool $tool "${filter[@]}" --error-exitcode 9 python3 -m pytest tests/test_gpu_fp8.py -q -p no:cacheprovider \
-      -k "small_shapes and (shape0 or shape2) or masked or one_expert or recv_stats or int64 or bad_expert" 2>&1 | tee "$out/sanitize-$tool.log" | tail -4
+      -k "${SANITIZE_FP8_K:-small_shapes and (shape0 or shape2) or masked or one_expert or recv_stats or int64 or bad_expert}" 2>&1 | tee "$out/sanitize-$tool.log" | tail -4
     echo "compute-sanitizer $tool exit (FP8): ${PIPESTATUS[0]}"
     # FP4 (every weight / activation format pair): small shapes at 7 and 113 tokens, masks, one expert, bad ids.
     compute-sanitizer --tool $tool "${filter[@]}" --error-exitcode 9 python3 -m pytest tests/test_gpu_fp4.py -q -p no:cacheprovider \
