@@ -28,6 +28,14 @@ namespace megamoe::kernels {
 // Launches with programmatic stream serialization: the kernel may start while its predecessor in the
 // stream finishes, so every kernel launched this way calls ptx::grid_dependency_wait() before it reads
 // anything a predecessor wrote. Captured into CUDA graphs as programmatic edges.
+inline cudaLaunchAttribute cluster_dim_attr(int cluster) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  return attr;
+}
 // `cluster` > 1: thread-block clusters of that many blocks along x (grid.x a multiple of it).
 template <typename... KernelArgs, typename... Args>
 void launch_pdl_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, int cluster,
@@ -40,10 +48,7 @@ void launch_pdl_cluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, si
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
-  attr[1].id = cudaLaunchAttributeClusterDimension;
-  attr[1].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[1].val.clusterDim.y = 1;
-  attr[1].val.clusterDim.z = 1;
+  attr[1] = cluster_dim_attr(cluster);
   config.attrs = attr;
   config.numAttrs = cluster > 1 ? 2 : 1;
   MEGAMOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
@@ -54,23 +59,25 @@ void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t sme
   launch_pdl_cluster(kernel, grid, block, smem, 1, stream, std::forward<Args>(args)...);
 }
 
-// Clusters of `cluster` blocks of this kernel the GPU holds at once (a persistent grid's size in clusters).
-template <typename... KernelArgs>
-int max_active_clusters(void (*kernel)(KernelArgs...), int cluster, dim3 block, size_t smem) {
+// Clusters of kCluster blocks of kKernel the current GPU holds at once (a persistent grid's size in clusters).
+// NOTES: the count depends on the GPU only, so each device's first query (no sync) serves its later calls.
+template <auto kKernel, int kCluster>
+int max_active_clusters(dim3 block, size_t smem) {
+  static std::atomic<int> per_device[64];
+  int device = 0;
+  MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
+  int n = per_device[device & 63].load(std::memory_order_relaxed);
+  if (n > 0) return n;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(cluster);
+  config.gridDim = dim3(kCluster);
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
+  cudaLaunchAttribute attr = cluster_dim_attr(kCluster);
+  config.attrs = &attr;
   config.numAttrs = 1;
-  int n = 0;
-  MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, reinterpret_cast<const void*>(kernel), &config));
-  if (n < 1) throw std::runtime_error("megamoe: no cluster of " + std::to_string(cluster) + " blocks fits this GPU");
+  MEGAMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, reinterpret_cast<const void*>(kKernel), &config));
+  if (n < 1) throw std::runtime_error("megamoe: no cluster of " + std::to_string(kCluster) + " blocks fits this GPU");
+  per_device[device & 63].store(n, std::memory_order_relaxed);
   return n;
 }
 

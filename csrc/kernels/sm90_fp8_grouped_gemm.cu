@@ -2,7 +2,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 
 #include "heuristics/sm90.hpp"
 #include "kernels/sm90_fp8_grouped_gemm.cuh"
@@ -21,15 +20,7 @@ void launch_config(const GroupedGemmArgs& l1, const GroupedGemmArgs& l2, const G
   allow_dynamic_smem<kernel>(Smem::kBytes);
   if constexpr (kPairs) {
     // Persistent: as many CTA pairs as the GPU holds at once (the walk waits across CTAs: all must be resident).
-    // NOTES: the count depends on the GPU only, so each device's first query (no sync) serves its later calls.
-    static std::atomic<int> clusters_of[64];
-    int device = 0;
-    MEGAMOE_CUDA_CHECK(cudaGetDevice(&device));
-    int clusters = clusters_of[device & 63].load(std::memory_order_relaxed);
-    if (clusters == 0) {
-      clusters = max_active_clusters(kernel, 2, dim3(kNumThreads), Smem::kBytes);
-      clusters_of[device & 63].store(clusters, std::memory_order_relaxed);
-    }
+    const int clusters = max_active_clusters<kernel, 2>(dim3(kNumThreads), Smem::kBytes);
     launch_pdl_cluster(kernel, dim3(2 * clusters), dim3(kNumThreads), Smem::kBytes, 2, stream, l1.tmap_weights,
                        l1.tmap_acts, l2.tmap_weights, l2.tmap_acts, p);
   } else {

@@ -201,12 +201,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             if (rank == 0) {
               ptx::mbarrier_wait_cluster(&claim_empty[i], parity ^ 1);
               unit = atomicAdd(sched, 1);
-              ptx::st_shared_cluster(ptx::mapa_shared(ptx::smem_addr(claim_unit + i), 1), unit);
-              ptx::mbarrier_arrive_cluster(ptx::mapa_shared(ptx::smem_addr(claim_full + i), 1));
+              ptx::st_shared_cluster(ptx::mapa_shared(ptx::smem_addr(claim_unit + i), peer), unit);
+              ptx::mbarrier_arrive_cluster(ptx::mapa_shared(ptx::smem_addr(claim_full + i), peer));
             } else {
               ptx::mbarrier_wait_cluster(&claim_full[i], parity);
               unit = *reinterpret_cast<volatile int*>(claim_unit + i);
-              ptx::mbarrier_arrive_cluster(ptx::mapa_shared(ptx::smem_addr(claim_empty + i), 0));
+              ptx::mbarrier_arrive_cluster(ptx::mapa_shared(ptx::smem_addr(claim_empty + i), peer));
             }
           } else {
             unit = atomicAdd(sched, 1);
