@@ -7,6 +7,12 @@ main loop (docs/perf-notes.md, twelfth session: ~1,150 cycles per stage at T=819
   no-weight-tma  no weight tile (the consumers multiply whatever the slot holds)
 The consumers run unchanged on whatever the slots hold, so outputs are garbage; bench_moe --no-peer times them.
 Unpaired walk only: with MEGAMOE_FP8_PAIRS=1 no-weight-tma would leave the multicast halves uncounted (a hang).
+Two more patches keep the results exact; they change how the stage's scale copies synchronise, for racecheck A/Bs
+(device_check.sh race):
+  sync-scales    the producer lanes wait for their cp.asyncs (cp.async.wait_all) and arrive plainly, in place of
+                 the asynchronous cp.async.mbarrier.arrive.noinc
+  fill-scales    every stage writes all kBlockM token-scale slots (those past the tile's rows zero-filled by a
+                 cp.async of source size 0), so the consumers never read a slot written in an earlier stage
 
     python3 benchmarks/ablate_fp8.py TREE no-scales[,no-token-tma,...]
     e.g. on the device: AB_VARIANTS=".ab/main .ab/abl-scales" bash benchmarks/ab.sh (no AB_TESTS for these trees)
@@ -37,6 +43,18 @@ PATCHES = {
          "            else if (false)\n              ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w, &full[stage], kb * kBlockK, weight_row);"),
         ("ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + ",
          "ptx::mbarrier_arrive_expect_tx(&full[stage], 0 * Smem::kTileA + "),
+    ],
+    "sync-scales": [
+        ("        ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);\n      };",
+         "        ptx::cp_async_wait_all();\n        ptx::mbarrier_arrive(&full[stage]);\n      };"),
+        ("            ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);  // the weight scales only",
+         "            ptx::cp_async_wait_all(), ptx::mbarrier_arrive(&full[stage]);"),
+    ],
+    "fill-scales": [
+        ("          if (c < rows) ptx::cp_async_4(dst + c, src + c);",
+         "          if (c < rows) ptx::cp_async_4(dst + c, src + c);\n"
+         "          else asm volatile(\"cp.async.ca.shared.global [%0], [%1], 4, 0;\" ::\"r\"(ptx::smem_addr(dst + c)),"
+         " \"l\"(src) : \"memory\");"),
     ],
 }
 

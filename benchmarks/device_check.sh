@@ -4,6 +4,11 @@
 #   fp4: the FP4 GPU tests (with the sweep and the exactness test), then the FP4 probe benchmark.
 #   ablate: FP8 GEMM ablation builds with tile traces (ABLATIONS, ABL_MODEL, ABL_TOKENS; see below).
 #   sanitize: SANITIZE_FP8_K / SANITIZE_FP4_K replace the test selections (e.g. SANITIZE_FP8_K=pair_walk).
+#   race: racecheck of the FP8 tests RACE_K in one tree per RACE_VARIANTS entry ("none" or ablate_fp8.py patches that
+#   keep results exact: sync-scales, fill-scales); hazard summaries in race-<variant>.log; RACE_ARGS go to
+#   compute-sanitizer (e.g. "--racecheck-report hazard": every hazard with its addresses and threads).
+#   clocks: SM clock, power and throttle reasons (nvidia-smi every 50 ms) during bench_moe at CLOCK_TOKENS (8192) for
+#   CLOCK_MODEL (V4-Flash), FP8, no peer: clocks.csv, clocks.log.
 #   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below).
 #   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py).
 #   ep: expert parallelism on every GPU of the machine: tests/test_ep.py (EP_FORMATS, default fp8:fp8) then bench_ep.py
@@ -22,7 +27,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$out/gpu.txt"
 
-if [ "$what" != stream ] && [ "$what" != ablate ]; then  # these build their own trees (or none)
+if [ "$what" != stream ] && [ "$what" != ablate ] && [ "$what" != race ]; then  # these build their own trees (or none)
   start=$(date +%s)
   python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"
@@ -49,10 +54,18 @@ fi
 if has ncu; then
   # Nsight Compute, full set with source counters, of the grouped-GEMM kernels of one call per case
   # (NCU_CASES: format:act_format:tokens, V4-Flash); details and per-SASS-instruction stalls as text.
+  # NCU_ABLATION (benchmarks/ablate_fp8.py patches, comma list) profiles an ablated copy of the tree instead.
+  ncu_tree=$PWD
+  if [ -n "${NCU_ABLATION:-}" ]; then
+    ncu_tree=$(mktemp -d)
+    tar --exclude=./build --exclude=./.ab --exclude='./megamoe/*.so' -cf - . | tar -xf - -C "$ncu_tree"
+    python3 benchmarks/ablate_fp8.py "$ncu_tree" "$NCU_ABLATION"
+    (cd "$ncu_tree" && python3 setup.py build_ext --inplace >"$out/build-ncu.log" 2>&1) || tail -20 "$out/build-ncu.log"
+  fi
   for spec in ${NCU_CASES:-mxfp4:fp8:16 fp8:fp8:1}; do
     IFS=: read -r fmt act t <<<"$spec"
-    rep="$out/ncu-$fmt-a$act-$t"
-    (cd benchmarks && ncu --profile-from-start off --clock-control none --set full --import-source yes \
+    rep="$out/ncu-$fmt-a$act-$t${NCU_ABLATION:+-abl}"
+    (cd "$ncu_tree/benchmarks" && PYTHONPATH="$ncu_tree" ncu --profile-from-start off --clock-control none --set full --import-source yes \
       -k regex:grouped_gemm -f -o "$rep" python3 profile_moe.py --ncu --model V4-Flash --format "$fmt" \
       --act-format "$act" --tokens "$t") >"$rep.log" 2>&1 || tail -20 "$rep.log"
     ncu -i "$rep.ncu-rep" --page details >"$rep-details.txt" 2>&1
@@ -93,7 +106,38 @@ if has ablate; then
     fi
     (cd "$tree" && PYTHONPATH="$tree" timeout 300 python3 benchmarks/tile_trace.py --model "${ABL_MODEL:-V4-Flash}" \
       --tokens "${ABL_TOKENS:-8192}") >"$out/trace-abl-$tag.txt" 2>&1
-    echo "== ablation $abl"; sed -n 3,4p "$out/trace-abl-$tag.txt" | cut -c1-200
+    echo "== ablation $abl"; grep "^L1:" "$out/trace-abl-$tag.txt" | cut -c1-200
+  done
+fi
+if has clocks; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+    --format=csv -lms 50 >"$out/clocks.csv" 2>&1 &
+  smi=$!
+  python3 benchmarks/bench_moe.py --formats fp8 --no-peer --models "${CLOCK_MODEL:-V4-Flash}" \
+    --tokens "${CLOCK_TOKENS:-8192}" 2>&1 | tee "$out/clocks.log" | tail -3
+  kill $smi
+  # The busiest samples: the median SM clock and power of the samples above half the peak power.
+  python3 - "$out/clocks.csv" <<'PY' | tee -a "$out/clocks.log"
+import csv, statistics, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if r and r[0][:1].isdigit()]
+val = lambda r, i: float(r[i].split()[0])
+busy = [r for r in rows if val(r, 3) > 0.5 * max(val(x, 3) for x in rows)]
+print(f"clocks: {len(rows)} samples, {len(busy)} busy; SM MHz median {statistics.median(val(r, 1) for r in busy):.0f} "
+      f"(min {min(val(r, 1) for r in busy):.0f}); power W median {statistics.median(val(r, 3) for r in busy):.0f} "
+      f"(max {max(val(r, 3) for r in busy):.0f}); reasons {sorted({r[5].strip() for r in busy})}")
+PY
+fi
+if has race; then
+  # Racecheck A/B of the FP8 kernels' scale-copy synchronisation (benchmarks/ablate_fp8.py sync-scales / fill-scales).
+  for variant in ${RACE_VARIANTS:-none sync-scales fill-scales}; do
+    tree=$(mktemp -d)
+    tar --exclude=./build --exclude=./.ab --exclude='./megamoe/*.so' -cf - . | tar -xf - -C "$tree"
+    [ "$variant" != none ] && python3 benchmarks/ablate_fp8.py "$tree" "$variant"
+    (cd "$tree" && python3 setup.py build_ext --inplace >"$out/build-race-$variant.log" 2>&1) || { tail -20 "$out/build-race-$variant.log"; continue; }
+    (cd "$tree" && PYTHONPATH="$tree" compute-sanitizer --tool racecheck --kernel-name kns=megamoe --error-exitcode 9 ${RACE_ARGS:-} \
+      python3 -m pytest tests/test_gpu_fp8.py -q -p no:cacheprovider -k "${RACE_K:-pair_walk and E16}") \
+      >"$out/race-$variant.log" 2>&1
+    echo "== race $variant: exit $?; $(grep -c 'Race reported' "$out/race-$variant.log") reports; $(grep 'RACECHECK SUMMARY\|passed\|failed' "$out/race-$variant.log" | tr '\n' ' ')"
   done
 fi
 if has sanitize; then

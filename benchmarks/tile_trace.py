@@ -86,7 +86,9 @@ def parse(lines):
         elif f[1] == "SHAPE":
             shape = tuple(int(v) for v in f[2:])
         elif on and f[1] == "P":
-            claims.append(dict(cta=int(f[2]), sm=int(f[3]), tile=int(f[4]), claim=int(f[5]), issue=int(f[6])))
+            claims.append(dict(cta=int(f[2]), sm=int(f[3]), tile=int(f[4]), claim=int(f[5]), issue=int(f[6]),
+                               wait_cycles=int(f[7]) if len(f) > 8 else None,
+                               span_cycles=int(f[8]) if len(f) > 8 else None))
         elif on and f[1] == "E":
             entries[int(f[2])] = int(f[4])
             kernels.append(dict(kernel="gemm", block=int(f[2]), stamps=[int(f[5]), int(f[4])]))
@@ -96,7 +98,9 @@ def parse(lines):
         elif on and f[1] == "C":
             cta_tiles.append(dict(cta=int(f[2]), sm=int(f[3]), gemm=int(f[4]), expert=int(f[5]), n_block=int(f[6]),
                                   rows=int(f[7]), start=int(f[8]), main_end=int(f[9]), end=int(f[10]),
-                                  epilogue=[int(v) for v in f[11:15]]))
+                                  epilogue=[int(v) for v in f[11:15]],
+                                  main_cycles=int(f[15]) if len(f) > 15 else None,
+                                  full_wait_cycles=int(f[16]) if len(f) > 16 else None))
     return cta_tiles, claims, entries, kernels, shape
 
 
@@ -150,6 +154,18 @@ def summarize(tiles, claims, entries, shape) -> dict:
         marks = lambda t: [t["main_end"]] + t["epilogue"][:len(names) - 1] + [t["end"]]  # noqa: E731
         row["epilogue_phases_us"] = {n: statistics.median((marks(t)[j + 1] - marks(t)[j]) / 1e3 for t in ts)
                                      for j, n in enumerate(names)}
+        cycles = [t["main_cycles"] for t in ts if t["main_cycles"] is not None]
+        if cycles:  # the SM clock in situ: main-loop cycles over its global-timer ns
+            ghz = [t["main_cycles"] / (t["main_end"] - t["start"]) for t in ts
+                   if t["main_cycles"] is not None and t["main_end"] > t["start"]]
+            row["sm_ghz_median"] = statistics.median(ghz)
+            row["cycles_per_kblock_median"] = statistics.median(cycles) / (k_bytes // 128)
+            kblocks = k_bytes // 128
+            row["consumer_full_wait_per_kblock_median"] = statistics.median(
+                t["full_wait_cycles"] for t in ts if t["full_wait_cycles"] is not None) / kblocks
+            print(f"{name}: SM clock in the main loop (median) {row['sm_ghz_median']:.3f} GHz (min {min(ghz):.3f}, "
+                  f"max {max(ghz):.3f}); {row['cycles_per_kblock_median']:.0f} cycles per 128-K block, of which the "
+                  f"consumers waited {row['consumer_full_wait_per_kblock_median']:.0f} for full stages")
         out[name] = row
         print(f"{name}: epilogue phases (median µs) " +
               " ".join(f"{n} {v:.2f}" for n, v in row["epilogue_phases_us"].items()))
@@ -164,6 +180,10 @@ def summarize(tiles, claims, entries, shape) -> dict:
         ts = sorted((t for t in tiles if t["cta"] == cta), key=lambda t: t["start"])
         for n, (c, t) in enumerate(zip(cs, ts)):
             wait[t["gemm"]].append((t["start"] - c["claim"]) / 1e3)
+            if c["wait_cycles"] is not None:  # the producer's own cycles per k block of this tile
+                kblocks = (hidden if t["gemm"] == 0 else inter) // 128
+                wait[("pwait", t["gemm"])].append(c["wait_cycles"] / kblocks)
+                wait[("pspan", t["gemm"])].append(c["span_cycles"] / kblocks)
             if n == 0:  # the CTA's first tile: decode cost, then the first loads' latency
                 wait["decode"].append((c["issue"] - c["claim"]) / 1e3)
                 wait["load"].append((t["start"] - c["issue"]) / 1e3)
@@ -172,6 +192,12 @@ def summarize(tiles, claims, entries, shape) -> dict:
             out[name]["claim_to_first_stage_us_median"] = statistics.median(wait[gemm])
             print(f"{name}: claim -> first stage full: median {statistics.median(wait[gemm]):.1f}, "
                   f"max {max(wait[gemm]):.1f} µs")
+        if wait[("pwait", gemm)]:
+            out[name]["producer_span_per_kblock_median"] = statistics.median(wait[("pspan", gemm)])
+            out[name]["producer_empty_wait_per_kblock_median"] = statistics.median(wait[("pwait", gemm)])
+            print(f"{name}: producer cycles per k block (median): first to last stage issued "
+                  f"{statistics.median(wait[('pspan', gemm)]):.0f}, of which waiting for free stages "
+                  f"{statistics.median(wait[('pwait', gemm)]):.0f}")
     if wait["decode"]:
         out["first_tile_claim_to_issue_us_median"] = statistics.median(wait["decode"])
         out["first_tile_issue_to_full_us_median"] = statistics.median(wait["load"])

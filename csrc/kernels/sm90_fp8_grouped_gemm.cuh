@@ -154,8 +154,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
       ptx::mbarrier_init(&full[s], 1 + 32);  // lane 0's expect_tx (or plain) arrival + the 32 scale-copy lanes
-      // One arrival per consumer warp (pair walk: of both CTAs; a stage is multicast into both).
-      ptx::mbarrier_init(&empty[s], (kPairs ? 2 : 1) * kNumConsumerThreads / 32);
+      // One arrival per consumer thread (pair walk: plus one per consumer warp of the other CTA; a stage is
+      // multicast into both).
+      ptx::mbarrier_init(&empty[s], kNumConsumerThreads + (kPairs ? kNumConsumerThreads / 32 : 0));
     }
     if constexpr (kPairs)
       for (int i = 0; i < kClaimDepth; ++i)
@@ -286,6 +287,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #ifdef MEGAMOE_TILE_TRACE
       int trace_n = 0, trace_cur = -1, trace_tile[kTraceTiles];  // trace_cur: the slot of the tile being issued
       uint64_t trace_claim[kTraceTiles], trace_issue[kTraceTiles];  // claimed; first weight load issued
+      // Per tile: SM cycles the producer spent waiting for free stages, and from its first stage to its last issued.
+      int64_t trace_pwait[kTraceTiles] = {}, trace_pspan[kTraceTiles] = {};
 #endif
       for (bool first = true;; first = false) {
         flush_pending();  // the previous tile's token parts (see Pending)
@@ -332,7 +335,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             flush_pending();  // this tile's (see Pending): both of its gates are open afterwards
             tile_ready = true;
           }
+#ifdef MEGAMOE_TILE_TRACE
+          const int64_t trace_w0 = clock64();
+          if (kb == 0 && trace_cur >= 0) trace_pspan[trace_cur] = -trace_w0;
+#endif
           wait_empty(stage, phase ^ 1);
+#ifdef MEGAMOE_TILE_TRACE
+          if (trace_cur >= 0) trace_pwait[trace_cur] += clock64() - trace_w0;
+#endif
           if (lane == 0) {
             if (kb == 0) tile_infos[stage] = t;
             // Both weight halves land here (pair walk: one of them multicast by the other CTA, maybe first: bytes
@@ -361,15 +371,19 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             token_part(stage, kb, t.row0, t.rows, t.gemm);
           }
           if (++stage == kNumStages) stage = 0, phase ^= 1;
+#ifdef MEGAMOE_TILE_TRACE
+          if (kb == num_kblocks - 1 && trace_cur >= 0) trace_pspan[trace_cur] += clock64();
+#endif
         }
       }
       ptx::cp_async_wait_all();
 #ifdef MEGAMOE_TILE_TRACE
       if (lane == 0)
         for (int i = 0; i < trace_n; ++i)
-          printf("MMTRACE P %d %u %d %llu %llu\n", blockIdx.x, trace_smid(), trace_tile[i],
+          printf("MMTRACE P %d %u %d %llu %llu %lld %lld\n", blockIdx.x, trace_smid(), trace_tile[i],
                  static_cast<unsigned long long>(trace_claim[i]),
-                 static_cast<unsigned long long>(trace_tile[i] < num_tiles ? trace_issue[i] : trace_claim[i]));
+                 static_cast<unsigned long long>(trace_tile[i] < num_tiles ? trace_issue[i] : trace_claim[i]),
+                 static_cast<long long>(trace_pwait[i]), static_cast<long long>(trace_pspan[i]));
 #endif
     }
     if constexpr (kPairs) ptx::cluster_sync();  // see the consumers' exit
@@ -393,6 +407,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const uint64_t trace_entry = ptx::globaltimer_ns();  // after the grid dependency wait
   int trace_n = 0, trace_info[kTraceTiles][4];
   uint64_t trace_t[kTraceTiles][3], trace_e[kTraceTiles][4] = {};
+  // SM clock at the main loop's start and end: cycles over the global timer's ns give the SM clock in situ (the
+  // probes count cycles; the trace counts ns).
+  int64_t trace_c[kTraceTiles][3];  // [2]: cycles the consumers waited for full stages in the main loop
   // Epilogue phases (L1: SwiGLU done, token amax shared, quantized, stored; L2: staged, stored).
   auto trace_epilogue = [&](int i) {
     if (ctid == 0 && trace_n < kTraceTiles) trace_e[trace_n][i] = ptx::globaltimer_ns();
@@ -404,11 +421,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // A consumed stage goes back to the producers that write it: this CTA's, and in the pair walk the other CTA's
   // (its multicast half lands here too).
   const uint32_t peer_empty = kPairs ? ptx::mapa_shared(ptx::smem_addr(empty), peer) : 0;
+  // NOTES: every consumer thread arrives, each releasing its own reads of the stage's scales and WorkTile (an
+  // arrive releases the arriving thread's accesses; one lane's arrive after __syncwarp covered the others only
+  // through the warp barrier, which compute-sanitizer racecheck reports as write-after-read hazards once the ring
+  // wraps within a tile).
   auto release = [&](int s) {
-    __syncwarp();
-    if (lane == 0) {
-      ptx::mbarrier_arrive(&empty[s]);
-      if constexpr (kPairs) ptx::mbarrier_arrive_remote(peer_empty + s * 8);
+    ptx::mbarrier_arrive(&empty[s]);
+    if constexpr (kPairs) {
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive_remote(peer_empty + s * 8);
     }
   };
 
@@ -462,11 +483,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       trace_info[trace_n][0] = t.gemm, trace_info[trace_n][1] = t.expert, trace_info[trace_n][2] = t.n_block;
       trace_info[trace_n][3] = t.rows;
       trace_t[trace_n][0] = ptx::globaltimer_ns();  // first stage full
+      trace_c[trace_n][0] = clock64(), trace_c[trace_n][2] = 0;
     }
 #endif
 
     for (int kb = 0; kb < num_kblocks; ++kb) {
+#ifdef MEGAMOE_TILE_TRACE
+      const int64_t trace_w0 = clock64();
+#endif
       ptx::mbarrier_wait(&full[stage], phase);
+#ifdef MEGAMOE_TILE_TRACE
+      if (ctid == 0 && trace_n < kTraceTiles) trace_c[trace_n][2] += clock64() - trace_w0;
+#endif
       // Scales of this stage from shared memory (read before the stage is released): this consumer's two
       // weight chunks (0 past n: those rows are never stored) and this thread's token columns.
       const float* sc = stage_scales + stage * (Smem::kScales / 4);
@@ -513,7 +541,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
 
 #ifdef MEGAMOE_TILE_TRACE
-    if (ctid == 0 && trace_n < kTraceTiles) trace_t[trace_n][1] = ptx::globaltimer_ns();  // main loop done
+    if (ctid == 0 && trace_n < kTraceTiles)
+      trace_t[trace_n][1] = ptx::globaltimer_ns(), trace_c[trace_n][1] = clock64();  // main loop done
 #endif
     // ======================================================================== epilogue
     if constexpr (!kEarlyEpilogueInputs) load_epilogue_inputs();
@@ -603,12 +632,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     printf("MMTRACE E %d %u %llu %llu\n", blockIdx.x, trace_smid(), static_cast<unsigned long long>(trace_entry),
            static_cast<unsigned long long>(trace_launch));
     for (int i = 0; i < trace_n; ++i)
-      printf("MMTRACE C %d %u %d %d %d %d %llu %llu %llu %llu %llu %llu %llu\n", blockIdx.x, trace_smid(),
+      printf("MMTRACE C %d %u %d %d %d %d %llu %llu %llu %llu %llu %llu %llu %lld %lld\n", blockIdx.x, trace_smid(),
              trace_info[i][0], trace_info[i][1], trace_info[i][2], trace_info[i][3],
              static_cast<unsigned long long>(trace_t[i][0]), static_cast<unsigned long long>(trace_t[i][1]),
              static_cast<unsigned long long>(trace_t[i][2]), static_cast<unsigned long long>(trace_e[i][0]),
              static_cast<unsigned long long>(trace_e[i][1]), static_cast<unsigned long long>(trace_e[i][2]),
-             static_cast<unsigned long long>(trace_e[i][3]));
+             static_cast<unsigned long long>(trace_e[i][3]), static_cast<long long>(trace_c[i][1] - trace_c[i][0]),
+             static_cast<long long>(trace_c[i][2]));
   }
 #endif
 #else
