@@ -5,6 +5,8 @@ main loop (docs/perf-notes.md, twelfth session: ~1,150 cycles per stage at T=819
   no-scales      no weight-scale or token-scale cp.async (the lanes still arrive: the stage completes without them)
   no-token-tma   no token tile (its bytes leave the stage's expect_tx)
   no-weight-tma  no weight tile (the consumers multiply whatever the slot holds)
+  no-ws-mul      the consumers' promotion without the weight scale (32 FMUL per stage fewer)
+  no-scaling     the consumers' promotion adds the partials unscaled (no scale loads, no products)
 The consumers run unchanged on whatever the slots hold, so outputs are garbage; bench_moe --no-peer times them.
 Unpaired walk only: with MEGAMOE_FP8_PAIRS=1 no-weight-tma would leave the multicast halves uncounted (a hang).
 Two more patches keep the results exact; they change how the stage's scale copies synchronise, for racecheck A/Bs
@@ -43,6 +45,18 @@ PATCHES = {
          "            else if (false)\n              ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w, &full[stage], kb * kBlockK, weight_row);"),
         ("ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + ",
          "ptx::mbarrier_arrive_expect_tx(&full[stage], 0 * Smem::kTileA + "),
+    ],
+    # The consumers' promotion (timing only): without the weight-scale products (32 FMUL per stage fewer), or
+    # without any scaling (partials added as they are: the scale loads and products go).
+    "no-ws-mul": [
+        ("acc0[i] += part0[i] * (ws0 * col_sf[(i / 4) * 2 + (i % 2)]);",
+         "acc0[i] += part0[i] * col_sf[(i / 4) * 2 + (i % 2)];"),
+        ("acc1[i] += part1[i] * (ws1 * col_sf[(i / 4) * 2 + (i % 2)]);",
+         "acc1[i] += part1[i] * col_sf[(i / 4) * 2 + (i % 2)];"),
+    ],
+    "no-scaling": [
+        ("acc0[i] += part0[i] * (ws0 * col_sf[(i / 4) * 2 + (i % 2)]);", "acc0[i] += part0[i];"),
+        ("acc1[i] += part1[i] * (ws1 * col_sf[(i / 4) * 2 + (i % 2)]);", "acc1[i] += part1[i];"),
     ],
     "sync-scales": [
         ("        ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);\n      };",

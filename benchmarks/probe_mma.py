@@ -55,7 +55,10 @@ constexpr int kStages = 4, kBlockK = 128;
 // protocol, 2026-11-25).
 // kScales (with kCopy): as the kernel, the producer warp's lanes also copy the stage's 4 weight-chunk scales and 64 token
 // scales (4-byte cp.async each, L2-resident) and arrive on the stage's full barrier when they land.
-template <int kN, int kSlices, bool kPromote, bool kCopy, bool kPair = false, bool kScales = false>
+// kNoise (in smem only): the producer warp also issues kNoise independent integer instructions per stage (four
+// chains), standing in for the kernel's producer, whose per-stage path is ~200 instructions on the SM sub-partition
+// it shares with one warp of each consumer warpgroup (ncu, 2026-11-25).
+template <int kN, int kSlices, bool kPromote, bool kCopy, bool kPair = false, bool kScales = false, int kNoise = 0>
 __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t wrap_bytes, int iters,
                                                      int64_t* cycles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -121,6 +124,13 @@ __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t
         }
         off += kStageBytes;
         if (off + kStageBytes > wrap_bytes) off = 0;
+        if constexpr (kNoise > 0) {
+          uint32_t a = lane + it, b = 3 * lane, c = 5 * lane, d = 7 * lane;
+#pragma unroll
+          for (int i = 0; i < kNoise / 4; ++i)
+            a = a * 1664525u + 1013904223u, b = b * 22695477u + 1u, c = c * 69069u + 1u, d = d * 134775813u + 1u;
+          asm volatile("" ::"r"(a ^ b ^ c ^ d));
+        }
       }
       if constexpr (kScales) ptx::cp_async_wait_all();
     }
@@ -198,11 +208,11 @@ __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t
 #endif
 }
 
-template <int kN, int kSlices, bool kPromote, bool kCopy, bool kPair = false, bool kScales = false>
+template <int kN, int kSlices, bool kPromote, bool kCopy, bool kPair = false, bool kScales = false, int kNoise = 0>
 void launch(const torch::Tensor& src, int64_t wrap_bytes, int64_t ctas, int64_t iters, torch::Tensor& cycles) {
   constexpr int kStageBytes = 2 * kSlices * 64 * kBlockK + kN * kBlockK;
   constexpr int kSmem = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kStages * 68 * 4;
-  auto kernel = mma_kernel<kN, kSlices, kPromote, kCopy, kPair, kScales>;
+  auto kernel = mma_kernel<kN, kSlices, kPromote, kCopy, kPair, kScales, kNoise>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(kPair ? ctas / 2 * 2 : ctas));
@@ -225,8 +235,15 @@ void launch(const torch::Tensor& src, int64_t wrap_bytes, int64_t ctas, int64_t 
 
 // shape 0: n64 (2 slices), 1: n128 (1 slice); copy: 0 none, 1 bulk copy per stage from src (wrap_bytes per CTA);
 // pair: CTA pairs multicasting A; scales: the kernel's per-stage scale cp.asyncs (both n64 with promotion and copies).
-void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool pair, bool scales, int64_t wrap_bytes,
-         int64_t ctas, int64_t iters, torch::Tensor cycles) {
+void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool pair, bool scales, int64_t noise,
+         int64_t wrap_bytes, int64_t ctas, int64_t iters, torch::Tensor cycles) {
+  if (noise > 0) {
+    TORCH_CHECK(shape == 0 && promote && !copy && !pair && !scales, "mma: noise only for n64 with promotion, in smem");
+    if (noise == 100) return launch<64, 2, true, false, false, false, 100>(src, wrap_bytes, ctas, iters, cycles);
+    if (noise == 200) return launch<64, 2, true, false, false, false, 200>(src, wrap_bytes, ctas, iters, cycles);
+    if (noise == 400) return launch<64, 2, true, false, false, false, 400>(src, wrap_bytes, ctas, iters, cycles);
+    TORCH_CHECK(false, "mma: noise 100, 200 or 400");
+  }
   if (pair || scales) {
     TORCH_CHECK(shape == 0 && promote && copy, "mma: pairs and scales only for n64 with promotion and copies");
     if (pair && scales) return launch<64, 2, true, true, true, true>(src, wrap_bytes, ctas, iters, cycles);
@@ -244,8 +261,8 @@ void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool 
 }
 """
 
-CPP_SRC = ("void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool pair, bool scales, int64_t wrap_bytes, "
-           "int64_t ctas, int64_t iters, torch::Tensor cycles);")
+CPP_SRC = ("void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool pair, bool scales, int64_t noise, "
+           "int64_t wrap_bytes, int64_t ctas, int64_t iters, torch::Tensor cycles);")
 
 MACS_PER_STAGE = 2 * 2 * 64 * 64 * 128  # both shapes
 PEAK_MACS_PER_CYCLE = 4096  # dense FP8 per SM (H100: 1979 TFLOP/s at 1.83 GHz over 132 SMs)
@@ -255,6 +272,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--iters", type=int, default=4000, help="stages per CTA and launch")
+    ap.add_argument("--noise-only", action="store_true",
+                    help="only the producer-noise rows (n64, promotion, in smem: 0, 100, 200, 400 instructions)")
     args = ap.parse_args()
     include = os.path.join(HERE, "..", "csrc", "include")
     mod = load_inline("megamoe_probe_mma", CPP_SRC, cuda_sources=CUDA_SRC, functions=["mma"],
@@ -271,21 +290,23 @@ def main():
     print(f"{props.name}: {sms} SMs; cycles per 128-K stage of 2^21 MACs (ideal {MACS_PER_STAGE // PEAK_MACS_PER_CYCLE})")
     print(f"{'shape':12} {'promote':7} {'data':13} {'SMs':>4} {'cycles/stage':>12} {'of peak':>7} {'µs/stage':>8} "
           f"{'TFLOP/s':>8}")
-    cases = [(shape, name, promote, data, wrap, False, False) for shape, name in ((0, "n64"), (1, "n128"))
+    cases = [(shape, name, promote, data, wrap, False, False, 0) for shape, name in ((0, "n64"), (1, "n128"))
              for promote in (True, False)
              for data, wrap in (("in smem", 0), ("copy from L2", 128 << 10), ("copy from HBM", big))]
-    cases += [(0, "n64" + " pair" * pair + " +sf" * scales, True, data, wrap, pair, scales)
+    cases += [(0, "n64" + " pair" * pair + " +sf" * scales, True, data, wrap, pair, scales, 0)
               for pair, scales in ((True, False), (False, True), (True, True))
               for data, wrap in (("copy from L2", 128 << 10), ("copy from HBM", big))]
-    for shape, name, promote, data, wrap, pair, scales in cases:
+    noise_cases = [(0, f"n64 noise{noise}", True, "in smem", 0, False, False, noise) for noise in (0, 100, 200, 400)]
+    cases = noise_cases if args.noise_only else cases + noise_cases[1:]
+    for shape, name, promote, data, wrap, pair, scales, noise in cases:
         for n in ((2, sms) if pair else (1, sms)):  # a pair needs two SMs
             def call():
-                mod.mma(src, shape, promote, wrap > 0, pair, scales, max(wrap, 1), n, args.iters, cycles)
+                mod.mma(src, shape, promote, wrap > 0, pair, scales, noise, max(wrap, 1), n, args.iters, cycles)
 
             us = bu.time_events(call, iters=10, flush=False)
             cyc = cycles[:n].double().median().item() / (args.iters - 1)
             tflops = 2 * MACS_PER_STAGE * args.iters * n / us / 1e6
-            row = dict(shape=name, promote=promote, data=data, pair=pair, scales=scales, sms=n,
+            row = dict(shape=name, promote=promote, data=data, pair=pair, scales=scales, noise=noise, sms=n,
                        cycles_per_stage=round(cyc, 1), of_peak=round(MACS_PER_STAGE / PEAK_MACS_PER_CYCLE / cyc, 3),
                        us_per_stage=round(us / args.iters, 4), tflops=round(tflops, 1))
             rows.append(row)
