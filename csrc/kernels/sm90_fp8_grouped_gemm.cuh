@@ -566,10 +566,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // sharing a column (xor 4, 8, 16), then the 8 consumer warps through shared memory.
       store_token_amax<kBlockM>(acc0, amax_smem + (consumer * 4 + warp) * kBlockM, lane);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
-      // Each token's scale (and its inverse) once, by one thread per token, in the 8 warps' order as before.
-      // NOTES: tile trace (H100, V4-Flash T=8192, 2026-11-25): every thread reducing its 16 tokens over the 8
-      // partials itself (128 loads, 16 divisions and reciprocals per thread) made this phase ~3 µs of a ~6.6 µs
-      // L1 epilogue.
+      // Each token's scale and its inverse, once: consumer thread c < kBlockM reduces token c's 8 warp partials
+      // (warp order, so the result does not depend on timing) and stores the scale to the pool too.
+      // NOTES: tile trace (H100, V4-Flash T=8192, 2026-11-25): with every thread reducing its own 16 tokens (128
+      // loads, 16 divisions and reciprocals per thread) this phase took ~3 µs of a ~6.6 µs L1 epilogue; now ~1.2.
       float* token_scale = amax_smem + 8 * kBlockM;  // [kBlockM] scales, then [kBlockM] inverses
       if (ctid < kBlockM) {
         float amax = 0.0f;
@@ -578,7 +578,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const float scale = max_nan(amax, kAmaxEps) / kFP8Max;
         token_scale[ctid] = scale, token_scale[kBlockM + ctid] = 1.0f / scale;
         if (ctid < t.rows)
-          reinterpret_cast<float*>(p.buffer + l.pool_sf_offset)[int64_t(t.n_block) * l.pool_rows + t.row0 + ctid] = scale;
+          reinterpret_cast<float*>(p.buffer + l.pool_sf_offset)[int64_t(t.n_block) * l.pool_rows + t.row0 + ctid] =
+              scale;
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       trace_epilogue(1);
