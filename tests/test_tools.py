@@ -1,0 +1,68 @@
+"""CPU checks of the device-side diagnostic tools, so they still fit the kernel when a device session needs them:
+every ablate_fp8.py patch applies to the current FP8 kernel source (each original text once), and tile_trace.py
+parses its trace lines with and without the clock fields."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import shutil
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ablate = load_tool("ablate_fp8")
+
+
+# Each patch alone, and the all-data ablation device_check.sh's ablate mode runs by default.
+@pytest.mark.parametrize("names", [[n] for n in ablate.PATCHES] + [["no-scales", "no-token-tma", "no-weight-tma"]],
+                         ids=lambda names: ",".join(names))
+def test_ablate_patches_apply(names, tmp_path, monkeypatch):
+    kernel = tmp_path / ablate.KERNEL
+    kernel.parent.mkdir(parents=True)
+    shutil.copy(ROOT / ablate.KERNEL, kernel)
+    before = kernel.read_text()
+    monkeypatch.setattr("sys.argv", ["ablate_fp8.py", str(tmp_path), ",".join(names)])
+    ablate.main()  # exits naming the patch if an original text is not found exactly once
+    after = kernel.read_text()
+    for name in names:
+        for old, new in ablate.PATCHES[name]:
+            assert new in after
+    assert after != before
+
+
+def test_ablate_unknown_patch_is_refused(tmp_path, monkeypatch):
+    kernel = tmp_path / ablate.KERNEL
+    kernel.parent.mkdir(parents=True)
+    shutil.copy(ROOT / ablate.KERNEL, kernel)
+    monkeypatch.setattr("sys.argv", ["ablate_fp8.py", str(tmp_path), "no-such-patch"])
+    with pytest.raises(SystemExit, match="unknown ablation 'no-such-patch'"):
+        ablate.main()
+
+
+def test_tile_trace_parses_clock_fields():
+    trace = load_tool("tile_trace")
+    old_c = "MMTRACE C 3 7 0 12 1 64 1000 21000 27000 23000 23200 26000 26300"
+    new_c = old_c + " 35800 1900"
+    old_p = "MMTRACE P 3 7 40 900 950"
+    new_p = old_p + " 22000 45000"
+    for c, p, cycles in ((old_c, old_p, None), (new_c, new_p, 35800)):
+        tiles, claims, entries, kernels, shape = trace.parse(
+            ["MMTRACE MARK", "MMTRACE E 3 7 800 100", p, c, "MMTRACE END", "MMTRACE SHAPE 4096 2048 6 256"])
+        assert shape == (4096, 2048, 6, 256)
+        assert len(tiles) == 1 and len(claims) == 1 and entries == {3: 800}
+        tile = tiles[0]
+        assert (tile["gemm"], tile["expert"], tile["n_block"], tile["rows"]) == (0, 12, 1, 64)
+        assert (tile["start"], tile["main_end"], tile["end"]) == (1000, 21000, 27000)
+        assert tile["main_cycles"] == cycles
+        assert tile["full_wait_cycles"] == (None if cycles is None else 1900)
+        assert claims[0]["wait_cycles"] == (None if cycles is None else 22000)
+        assert claims[0]["span_cycles"] == (None if cycles is None else 45000)
