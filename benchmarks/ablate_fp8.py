@@ -7,6 +7,7 @@ main loop (docs/perf-notes.md, twelfth session: ~1,150 cycles per stage at T=819
   no-weight-tma  no weight tile (the consumers multiply whatever the slot holds)
   no-ws-mul      the consumers' promotion without the weight scale (32 FMUL per stage fewer)
   no-scaling     the consumers' promotion adds the partials unscaled (no scale loads, no products)
+  no-epilogue    the consumers skip the epilogue (fused L1 tiles still counted): main loops back to back
 The consumers run unchanged on whatever the slots hold, so outputs are garbage; bench_moe --no-peer times them.
 Unpaired walk only: with MEGAMOE_FP8_PAIRS=1 no-weight-tma would leave the multicast halves uncounted (a hang).
 Two more patches keep the results exact; they change how the stage's scale copies synchronise, for racecheck A/Bs
@@ -57,6 +58,20 @@ PATCHES = {
     "no-scaling": [
         ("acc0[i] += part0[i] * (ws0 * col_sf[(i / 4) * 2 + (i % 2)]);", "acc0[i] += part0[i];"),
         ("acc1[i] += part1[i] * (ws1 * col_sf[(i / 4) * 2 + (i % 2)]);", "acc1[i] += part1[i];"),
+    ],
+    # The consumers go from one tile's main loop straight to the next (timing only): no epilogue, but each fused L1
+    # tile is still counted for its expert (its L2 tiles wait for the count) and the accumulators stay live.
+    "no-epilogue": [
+        ("    if constexpr (!kEarlyEpilogueInputs) load_epilogue_inputs();\n    if (is_l1) {",
+         "    if constexpr (!kEarlyEpilogueInputs) load_epilogue_inputs();\n"
+         "    if (true) {\n"
+         "#pragma unroll\n"
+         "      for (int i = 0; i < kRegs; ++i) asm volatile(\"\" ::\"f\"(acc0[i]), \"f\"(acc1[i]));\n"
+         "      if (kFused && is_l1) {\n"
+         "        ptx::named_barrier_sync(1, kNumConsumerThreads);\n"
+         "        if (ctid == 0) ptx::red_release_gpu_add(sched + 1 + t.expert, 1);\n"
+         "      }\n"
+         "    } else if (is_l1) {"),
     ],
     "sync-scales": [
         ("        ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);\n      };",

@@ -18,15 +18,19 @@ void launch_config(const GroupedGemmArgs& l1, const GroupedGemmArgs& l2, const G
   static_assert(Smem::kBytes <= 227 * 1024, "grouped GEMM shared memory exceeds the 227 KB a block may use");
   constexpr auto kernel = sm90_fp8_grouped_gemm_kernel<kBlockM, kStages, kGemms, kPairs>;
   allow_dynamic_smem<kernel>(Smem::kBytes);
+  int ctas = num_sms;
   if constexpr (kPairs) {
     // Persistent: as many CTA pairs as the GPU holds at once (the walk waits across CTAs: all must be resident).
-    const int clusters = max_active_clusters<kernel, 2>(dim3(kNumThreads), Smem::kBytes);
-    launch_pdl_cluster(kernel, dim3(2 * clusters), dim3(kNumThreads), Smem::kBytes, 2, stream, l1.tmap_weights,
+    ctas = 2 * max_active_clusters<kernel, 2>(dim3(kNumThreads), Smem::kBytes);
+    launch_pdl_cluster(kernel, dim3(ctas), dim3(kNumThreads), Smem::kBytes, 2, stream, l1.tmap_weights,
                        l1.tmap_acts, l2.tmap_weights, l2.tmap_acts, p);
   } else {
-    launch_pdl(kernel, dim3(num_sms), dim3(kNumThreads), Smem::kBytes, stream, l1.tmap_weights, l1.tmap_acts,
+    launch_pdl(kernel, dim3(ctas), dim3(kNumThreads), Smem::kBytes, stream, l1.tmap_weights, l1.tmap_acts,
                l2.tmap_weights, l2.tmap_acts, p);
   }
+#ifdef MEGAMOE_TILE_TRACE
+  fp8_trace_print_kernel<<<1, 1, 0, stream>>>(ctas);  // the trace records, after the GEMM (stream order)
+#endif
 }
 
 template <int kBlockM>

@@ -76,13 +76,44 @@ struct GemmParams {
 
 #ifdef MEGAMOE_TILE_TRACE
 // Diagnostic build only (setup.py: MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE; benchmarks/tile_trace.py reads it):
-// each CTA keeps the global-timer stamps of its first kTraceTiles tiles in registers / local memory and prints
-// them once at exit, so no printf sits inside the timed walk.
-constexpr int kTraceTiles = 8;
+// each CTA keeps the global-timer stamps of its first kTraceTiles tiles in registers / local memory and stores
+// them at exit into g_fp8_trace; fp8_trace_print_kernel, launched after the GEMM, prints them.
+// NOTES: no printf in the GEMM kernel: a function call anywhere in a kernel makes ptxas serialise all its wgmmas
+// (C7510; 2026-11-25: every wgmma waited for the previous one in the trace builds until then).
+constexpr int kTraceTiles = 8, kTraceMaxCtas = 1024;
 __device__ __forceinline__ unsigned trace_smid() {
   unsigned id;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
   return id;
+}
+struct TraceRecord {
+  // Producer: the tile claimed, when, when its first weight load was issued (the claim for the end marker), the
+  // cycles it waited for free stages and from its first stage to its last issued.
+  int producer_n, tile[kTraceTiles];
+  unsigned long long claim[kTraceTiles], issue[kTraceTiles];
+  long long pwait[kTraceTiles], pspan[kTraceTiles];
+  // Consumers: SM, global timer at launch and after the dependency wait, per tile its gemm / expert / n_block /
+  // rows, the stamps (start, main loop done, epilogue done), the epilogue phases, the main loop's cycles and the
+  // cycles it waited for full stages.
+  unsigned sm;
+  int consumer_n, info[kTraceTiles][4];
+  unsigned long long entry, launch, t[kTraceTiles][3], e[kTraceTiles][4];
+  long long c[kTraceTiles][2];
+};
+__device__ TraceRecord g_fp8_trace[kTraceMaxCtas];
+
+__global__ void fp8_trace_print_kernel(int num_ctas) {
+  for (int b = 0; b < num_ctas && b < kTraceMaxCtas; ++b) {
+    const TraceRecord& r = g_fp8_trace[b];
+    for (int i = 0; i < r.producer_n; ++i)
+      printf("MMTRACE P %d %u %d %llu %llu %lld %lld\n", b, r.sm, r.tile[i], r.claim[i], r.issue[i], r.pwait[i],
+             r.pspan[i]);
+    printf("MMTRACE E %d %u %llu %llu\n", b, r.sm, r.entry, r.launch);
+    for (int i = 0; i < r.consumer_n; ++i)
+      printf("MMTRACE C %d %u %d %d %d %d %llu %llu %llu %llu %llu %llu %llu %lld %lld\n", b, r.sm, r.info[i][0],
+             r.info[i][1], r.info[i][2], r.info[i][3], r.t[i][0], r.t[i][1], r.t[i][2], r.e[i][0], r.e[i][1], r.e[i][2],
+             r.e[i][3], r.c[i][0], r.c[i][1]);
+  }
 }
 #endif
 
@@ -379,12 +410,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       }
       ptx::cp_async_wait_all();
 #ifdef MEGAMOE_TILE_TRACE
-      if (lane == 0)
-        for (int i = 0; i < trace_n; ++i)
-          printf("MMTRACE P %d %u %d %llu %llu %lld %lld\n", blockIdx.x, trace_smid(), trace_tile[i],
-                 static_cast<unsigned long long>(trace_claim[i]),
-                 static_cast<unsigned long long>(trace_tile[i] < num_tiles ? trace_issue[i] : trace_claim[i]),
-                 static_cast<long long>(trace_pwait[i]), static_cast<long long>(trace_pspan[i]));
+      if (lane == 0 && blockIdx.x < kTraceMaxCtas) {
+        TraceRecord& r = g_fp8_trace[blockIdx.x];
+        r.producer_n = trace_n;
+        for (int i = 0; i < trace_n; ++i) {
+          r.tile[i] = trace_tile[i], r.claim[i] = trace_claim[i];
+          r.issue[i] = trace_tile[i] < num_tiles ? trace_issue[i] : trace_claim[i];
+          r.pwait[i] = trace_pwait[i], r.pspan[i] = trace_pspan[i];
+        }
+      }
 #endif
     }
     if constexpr (kPairs) ptx::cluster_sync();  // see the consumers' exit
@@ -643,17 +677,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
   if constexpr (kPairs) ptx::cluster_sync();  // no multicast or remote arrival may reach an exited CTA
 #ifdef MEGAMOE_TILE_TRACE
-  if (ctid == 0) {
-    printf("MMTRACE E %d %u %llu %llu\n", blockIdx.x, trace_smid(), static_cast<unsigned long long>(trace_entry),
-           static_cast<unsigned long long>(trace_launch));
-    for (int i = 0; i < trace_n; ++i)
-      printf("MMTRACE C %d %u %d %d %d %d %llu %llu %llu %llu %llu %llu %llu %lld %lld\n", blockIdx.x, trace_smid(),
-             trace_info[i][0], trace_info[i][1], trace_info[i][2], trace_info[i][3],
-             static_cast<unsigned long long>(trace_t[i][0]), static_cast<unsigned long long>(trace_t[i][1]),
-             static_cast<unsigned long long>(trace_t[i][2]), static_cast<unsigned long long>(trace_e[i][0]),
-             static_cast<unsigned long long>(trace_e[i][1]), static_cast<unsigned long long>(trace_e[i][2]),
-             static_cast<unsigned long long>(trace_e[i][3]), static_cast<long long>(trace_c[i][1] - trace_c[i][0]),
-             static_cast<long long>(trace_c[i][2]));
+  if (ctid == 0 && blockIdx.x < kTraceMaxCtas) {
+    TraceRecord& r = g_fp8_trace[blockIdx.x];
+    r.sm = trace_smid(), r.entry = trace_entry, r.launch = trace_launch, r.consumer_n = trace_n;
+    for (int i = 0; i < trace_n; ++i) {
+      for (int j = 0; j < 4; ++j) r.info[i][j] = trace_info[i][j], r.e[i][j] = trace_e[i][j];
+      for (int j = 0; j < 3; ++j) r.t[i][j] = trace_t[i][j];
+      r.c[i][0] = trace_c[i][1] - trace_c[i][0], r.c[i][1] = trace_c[i][2];
+    }
   }
 #endif
 #else
