@@ -20,6 +20,21 @@ what=${1:-all}
 kexpr=${2:-}
 [[ ",$what," == *",all,"* ]] && what="$what,test,sanitize,bench"
 has() { [[ ",$what," == *",$1,"* ]]; }
+# patched_tree PATCHES LOG [VAR=VALUE...]: a copy of this tree with benchmarks/ablate_fp8.py's PATCHES applied
+# ("none": unpatched), built with the given environment (log in $out/LOG); prints the copy's path, fails if the
+# build fails (the log's tail on stderr).
+patched_tree() {
+  local patches=$1 log=$2 tree
+  shift 2
+  tree=$(mktemp -d)
+  tar --exclude=./build --exclude=./.ab --exclude='./megamoe/*.so' -cf - . | tar -xf - -C "$tree"
+  [ "$patches" != none ] && python3 benchmarks/ablate_fp8.py "$tree" "$patches" >&2
+  if ! (cd "$tree" && env "$@" python3 setup.py build_ext --inplace >"$out/$log" 2>&1); then
+    tail -20 "$out/$log" >&2
+    return 1
+  fi
+  echo "$tree"
+}
 out=${OUT:-device_out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 export CXX=/usr/bin/g++ CC=/usr/bin/gcc TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
@@ -57,10 +72,7 @@ if has ncu; then
   # NCU_ABLATION (benchmarks/ablate_fp8.py patches, comma list) profiles an ablated copy of the tree instead.
   ncu_tree=$PWD
   if [ -n "${NCU_ABLATION:-}" ]; then
-    ncu_tree=$(mktemp -d)
-    tar --exclude=./build --exclude=./.ab --exclude='./megamoe/*.so' -cf - . | tar -xf - -C "$ncu_tree"
-    python3 benchmarks/ablate_fp8.py "$ncu_tree" "$NCU_ABLATION"
-    (cd "$ncu_tree" && python3 setup.py build_ext --inplace >"$out/build-ncu.log" 2>&1) || tail -20 "$out/build-ncu.log"
+    ncu_tree=$(patched_tree "$NCU_ABLATION" build-ncu.log) || exit 1
   fi
   for spec in ${NCU_CASES:-mxfp4:fp8:16 fp8:fp8:1}; do
     IFS=: read -r fmt act t <<<"$spec"
@@ -97,13 +109,8 @@ if has ablate; then
   # Ablation builds of the FP8 GEMM (benchmarks/ablate_fp8.py: timing only, outputs garbage), each with a tile trace of
   # one call: ABLATIONS (space-separated; "none" or a comma list of ablations), ABL_MODEL (V4-Flash), ABL_TOKENS (8192).
   for abl in ${ABLATIONS:-none no-scales,no-token-tma,no-weight-tma}; do
-    tree=$(mktemp -d)
-    tar --exclude=./build --exclude=./.ab --exclude='./megamoe/*.so' -cf - . | tar -xf - -C "$tree"
-    [ "$abl" != none ] && python3 benchmarks/ablate_fp8.py "$tree" "$abl"
     tag=${abl//,/+}
-    if ! (cd "$tree" && MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE python3 setup.py build_ext --inplace >"$out/build-abl-$tag.log" 2>&1); then
-      tail -20 "$out/build-abl-$tag.log"; continue
-    fi
+    tree=$(patched_tree "$abl" "build-abl-$tag.log" MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE) || continue
     (cd "$tree" && PYTHONPATH="$tree" timeout 300 python3 benchmarks/tile_trace.py --model "${ABL_MODEL:-V4-Flash}" \
       --tokens "${ABL_TOKENS:-8192}") >"$out/trace-abl-$tag.txt" 2>&1
     echo "== ablation $abl"; grep "^L1:" "$out/trace-abl-$tag.txt" | cut -c1-200
@@ -130,10 +137,7 @@ fi
 if has race; then
   # Racecheck A/B of the FP8 kernels' scale-copy synchronisation (benchmarks/ablate_fp8.py sync-scales / fill-scales).
   for variant in ${RACE_VARIANTS:-none sync-scales fill-scales}; do
-    tree=$(mktemp -d)
-    tar --exclude=./build --exclude=./.ab --exclude='./megamoe/*.so' -cf - . | tar -xf - -C "$tree"
-    [ "$variant" != none ] && python3 benchmarks/ablate_fp8.py "$tree" "$variant"
-    (cd "$tree" && python3 setup.py build_ext --inplace >"$out/build-race-$variant.log" 2>&1) || { tail -20 "$out/build-race-$variant.log"; continue; }
+    tree=$(patched_tree "$variant" "build-race-$variant.log") || continue
     (cd "$tree" && PYTHONPATH="$tree" compute-sanitizer --tool racecheck --kernel-name kns=megamoe --error-exitcode 9 ${RACE_ARGS:-} \
       python3 -m pytest tests/test_gpu_fp8.py -q -p no:cacheprovider -k "${RACE_K:-pair_walk and E16}") \
       >"$out/race-$variant.log" 2>&1
