@@ -196,6 +196,45 @@ __device__ __forceinline__ float min_nan(float a, float b) {
   return d;
 }
 
+// SwiGLU of a thread's L1 accumulator fragment, in place (DESIGN.md §3): gate[i] <- silu(g) * u * col_w[j(i)] with
+// g, u = bf16(gate[i] * f), bf16(up[i] * f), f = col_f[j(i)] when kScaled (FP4: the tokens' dequantization factor),
+// clamped when clamp >= 0; j(i) = (i / 4) * 2 + i % 2 is the m64nN fragment's column (token) of register i.
+// NOTES: fast_math is branched on once per fragment, not per element: with the branch inside the loop ptxas kept
+// each element's chain (two bf16 conversions, ex2, rcp) apart, so their latencies added up: ~2.3 µs of a ~5 µs L1
+// epilogue at block_m 64 (tile trace, H100, 2026-11-25). Pairs round to bf16 in one packed conversion.
+template <bool kFast, bool kScaled, int kRegs, int kCols>
+__device__ __forceinline__ void swiglu_fragment_impl(float (&gate)[kRegs], const float (&up)[kRegs],
+                                                     const float (&col_w)[kCols], const float (&col_f)[kCols],
+                                                     float clamp) {
+  static_assert(kRegs % 4 == 0 && kCols == kRegs / 2, "an m64nN accumulator fragment and its columns");
+#pragma unroll
+  for (int i = 0; i < kRegs; i += 2) {
+    const int j = (i / 4) * 2;  // registers i, i + 1: columns j, j + 1
+    const float f0 = kScaled ? col_f[j] : 1.0f, f1 = kScaled ? col_f[j + 1] : 1.0f;
+    const __nv_bfloat162 g2 = kScaled ? __floats2bfloat162_rn(gate[i] * f0, gate[i + 1] * f1)
+                                      : __floats2bfloat162_rn(gate[i], gate[i + 1]);
+    const __nv_bfloat162 u2 = kScaled ? __floats2bfloat162_rn(up[i] * f0, up[i + 1] * f1)
+                                      : __floats2bfloat162_rn(up[i], up[i + 1]);
+    float g[2] = {__low2float(g2), __high2float(g2)}, u[2] = {__low2float(u2), __high2float(u2)};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (clamp >= 0.0f) {
+        g[h] = min_nan(g[h], clamp);
+        u[h] = min_nan(max_nan(u[h], -clamp), clamp);
+      }
+      const float silu = kFast ? __fdividef(g[h], 1.0f + __expf(-g[h])) : g[h] / (1.0f + expf(-g[h]));
+      gate[i + h] = silu * u[h] * col_w[j + h];
+    }
+  }
+}
+template <bool kScaled, int kRegs, int kCols>
+__device__ __forceinline__ void swiglu_fragment(float (&gate)[kRegs], const float (&up)[kRegs],
+                                                const float (&col_w)[kCols], const float (&col_f)[kCols],
+                                                bool fast_math, float clamp) {
+  if (fast_math) swiglu_fragment_impl<true, kScaled>(gate, up, col_w, col_f, clamp);
+  else swiglu_fragment_impl<false, kScaled>(gate, up, col_w, col_f, clamp);
+}
+
 // Max over groups of kLanes consecutive lanes (kLanes a power of two <= 32); NaN wins.
 template <int kLanes>
 __device__ __forceinline__ float warp_reduce_max(float v) {

@@ -734,7 +734,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       // position, same fragment layout); the pair index replaces the consumer index below.
       const int pair = kSlices == 2 ? consumer : consumer / 2;
       const bool has_outputs = kSlices == 2 || consumer % 2 == 0;
-      float* acc_gate = acc[0];
+      float (&acc_gate)[kRegs] = acc[0];
       float up[kRegs];
       if constexpr (kSlices == 2) {
 #pragma unroll
@@ -753,18 +753,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         ptx::named_barrier_sync(1, kNumConsumerThreads);  // `epi` is free again
       }
       if constexpr (!kEarlyEpilogueInputs) load_row_inputs(t);
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) {
-        const int j = (i / 4) * 2 + (i % 2);
-        float g = __bfloat162float(__float2bfloat16_rn(acc_gate[i] * col_f[j]));
-        float u = __bfloat162float(__float2bfloat16_rn(up[i] * col_f[j]));
-        if (p.activation_clamp >= 0.0f) {
-          g = min_nan(g, p.activation_clamp);
-          u = min_nan(max_nan(u, -p.activation_clamp), p.activation_clamp);
-        }
-        const float silu = p.fast_math ? __fdividef(g, 1.0f + __expf(-g)) : g / (1.0f + expf(-g));
-        acc_gate[i] = silu * u * col_w[j];
-      }
+      swiglu_fragment<true>(acc_gate, up, col_w, col_f, p.fast_math, p.activation_clamp);
       const int inter = p.n / 2;
       if constexpr (kRecipe == ActRecipe::kNVFP4) {
         // The per-token global scale spans the whole I row, which no tile sees: store float32, the

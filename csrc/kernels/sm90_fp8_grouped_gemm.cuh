@@ -584,17 +584,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (is_l1) {
       // SwiGLU in registers: acc0 = gate rows, acc1 = the matching up rows.
       float* amax_smem = reinterpret_cast<float*>(epilogue + kBlockM * 128);  // [8 warps][kBlockM]
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) {
-        float g = __bfloat162float(__float2bfloat16_rn(acc0[i]));
-        float u = __bfloat162float(__float2bfloat16_rn(acc1[i]));
-        if (p.activation_clamp >= 0.0f) {
-          g = min_nan(g, p.activation_clamp);
-          u = min_nan(max_nan(u, -p.activation_clamp), p.activation_clamp);
-        }
-        const float silu = p.fast_math ? __fdividef(g, 1.0f + __expf(-g)) : g / (1.0f + expf(-g));
-        acc0[i] = silu * u * col_w[(i / 4) * 2 + (i % 2)];
-      }
+      swiglu_fragment<false>(acc0, acc1, col_w, col_w, p.fast_math, p.activation_clamp);
       trace_epilogue(0);
       // Per-token amax over this tile's 128 outputs (= one L2 scale block): registers, then lanes
       // sharing a column (xor 4, 8, 16), then the 8 consumer warps through shared memory.
