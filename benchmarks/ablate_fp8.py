@@ -1,6 +1,6 @@
 """Ablation builds of the FP8 grouped GEMM (diagnostic; wrong results by design, timing only).
 
-Patches a copy of the source tree so the producer leaves out parts of each stage, to see which of them bounds the
+Patches a copy of the source tree so the producer warps leave out parts of each stage, to see which of them bounds the
 main loop (docs/perf-notes.md, twelfth session: ~1,150 cycles per stage at T=8192 against 641 for the MMA):
   no-scales      no weight-scale or token-scale cp.async (the lanes still arrive: the stage completes without them)
   no-token-tma   no token tile (its bytes leave the stage's expect_tx)
@@ -12,8 +12,8 @@ The consumers run unchanged on whatever the slots hold, so outputs are garbage; 
 Unpaired walk only: with MEGAMOE_FP8_PAIRS=1 no-weight-tma would leave the multicast halves uncounted (a hang).
 Two more patches keep the results exact; they change how the stage's scale copies synchronise, for racecheck A/Bs
 (device_check.sh race):
-  sync-scales    the producer lanes wait for their cp.asyncs (cp.async.wait_all) and arrive plainly, in place of
-                 the asynchronous cp.async.mbarrier.arrive.noinc
+  sync-scales    the producer warps' lanes wait for their cp.asyncs (cp.async.wait_all) and arrive plainly, in place
+                 of the asynchronous cp.async.mbarrier.arrive.noinc
   fill-scales    every stage writes all kBlockM token-scale slots (those past the tile's rows zero-filled by a
                  cp.async of source size 0), so the consumers never read a slot written in an earlier stage
 
@@ -30,22 +30,21 @@ KERNEL = "csrc/kernels/sm90_fp8_grouped_gemm.cuh"
 # (ablation, original text, replacement); each original must occur exactly once.
 PATCHES = {
     "no-scales": [
-        ("          if (c < rows) ptx::cp_async_4(dst + c, src + c);",
-         "          if (false && c < rows) ptx::cp_async_4(dst + c, src + c);"),
-        ("          if (chunk_valid)\n            ptx::cp_async_4(",
-         "          if (false && chunk_valid)\n            ptx::cp_async_4("),
+        ("                if (c < t.rows) ptx::cp_async_4(dst + c, src + c);",
+         "                if (false && c < t.rows) ptx::cp_async_4(dst + c, src + c);"),
+        ("            if (chunk_valid)\n              ptx::cp_async_4(",
+         "            if (false && chunk_valid)\n              ptx::cp_async_4("),
     ],
     "no-token-tma": [
-        ("        if (lane == 0)\n          ptx::tma_load_2d(tile_b + stage * Smem::kTileB,",
-         "        if (false && lane == 0)\n          ptx::tma_load_2d(tile_b + stage * Smem::kTileB,"),
-        ("Smem::kTileA + (has_tokens ? Smem::kTileB : 0));",
-         "Smem::kTileA + 0 * (has_tokens ? Smem::kTileB : 0));"),
+        ("                ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileB);\n                ptx::tma_load_2d(",
+         "                ptx::mbarrier_arrive_expect_tx(&full[stage], 0 * Smem::kTileB);\n"
+         "                if (false) ptx::tma_load_2d("),
     ],
     "no-weight-tma": [
-        ("            else\n              ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w, &full[stage], kb * kBlockK, weight_row);",
-         "            else if (false)\n              ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w, &full[stage], kb * kBlockK, weight_row);"),
-        ("ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + ",
-         "ptx::mbarrier_arrive_expect_tx(&full[stage], 0 * Smem::kTileA + "),
+        ("              else\n                ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w,",
+         "              else if (false)\n                ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w,"),
+        ("ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA);",
+         "ptx::mbarrier_arrive_expect_tx(&full[stage], 0 * Smem::kTileA);"),
     ],
     # The consumers' promotion (timing only): without the weight-scale products (32 FMUL per stage fewer), or
     # without any scaling (partials added as they are: the scale loads and products go).
@@ -74,15 +73,15 @@ PATCHES = {
          "    } else if (is_l1) {"),
     ],
     "sync-scales": [
-        ("        ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);\n      };",
-         "        ptx::cp_async_wait_all();\n        ptx::mbarrier_arrive(&full[stage]);\n      };"),
-        ("            ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);  // the weight scales only",
-         "            ptx::cp_async_wait_all(), ptx::mbarrier_arrive(&full[stage]);"),
+        ("            ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);\n            if (++stage",
+         "            ptx::cp_async_wait_all(), ptx::mbarrier_arrive(&full[stage]);\n            if (++stage"),
+        ("              ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);\n            } else {",
+         "              ptx::cp_async_wait_all(), ptx::mbarrier_arrive(&full[stage]);\n            } else {"),
     ],
     "fill-scales": [
-        ("          if (c < rows) ptx::cp_async_4(dst + c, src + c);",
-         "          if (c < rows) ptx::cp_async_4(dst + c, src + c);\n"
-         "          else asm volatile(\"cp.async.ca.shared.global [%0], [%1], 4, 0;\" ::\"r\"(ptx::smem_addr(dst + c)),"
+        ("                if (c < t.rows) ptx::cp_async_4(dst + c, src + c);",
+         "                if (c < t.rows) ptx::cp_async_4(dst + c, src + c);\n"
+         "                else asm volatile(\"cp.async.ca.shared.global [%0], [%1], 4, 0;\" ::\"r\"(ptx::smem_addr(dst + c)),"
          " \"l\"(src) : \"memory\");"),
     ],
 }

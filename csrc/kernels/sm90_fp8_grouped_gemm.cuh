@@ -2,12 +2,13 @@
 // weight rows) tiles. Weights are the wgmma A operand (64-row slices, "swap AB"), so a decode step
 // with a handful of tokens per expert still fills the 64-row MMA dimension with weights.
 //
-// Warp roles (384 threads): warp 0 = producer (lane 0: work tiles and TMA of the weight and token tiles;
-// all lanes: cp.async of the stage's block scales into shared memory), warpgroups 1-2 = consumers, each
-// owning 128 weight rows = two 64-row slices. In L1 the slices are a gate chunk and its up chunk
-// (transform_weights interleaves them), so SwiGLU happens in registers. The producer hands every work tile
-// to the consumers through shared memory (TileInfo beside the tile's first stage) and ends with an end
-// marker, so only the producer knows the walk.
+// Warp roles (384 threads): two producer warps that fill each stage in parallel, warp 0 its weight part (walks and
+// claims the work tiles; lane 0: TMA of the weight tile, lanes 0-3: cp.async of the weight scales) and warp 1 its
+// token part (lane 0: TMA of the token tile, all lanes: cp.async of the token scales; it alone waits for the token
+// parts' dependencies), warpgroups 1-2 = consumers, each owning 128 weight rows = two 64-row slices. In L1 the
+// slices are a gate chunk and its up chunk (transform_weights interleaves them), so SwiGLU happens in registers.
+// Warp 0 hands every work tile to warp 1 (a 2-entry ring) and to the consumers (TileInfo beside the tile's first
+// stage) and ends with an end marker, so only warp 0 knows the walk.
 //
 // Per 128-K block: 4 wgmma k32 steps into a fresh partial accumulator, then promotion
 // acc += partial * weight_scale(64-row chunk, k block) * token_scale(token, k block) in float32.
@@ -55,6 +56,7 @@ constexpr int kBlockK = 128;           // K per stage (one scale block, one 128-
 constexpr int kNumThreads = 384;
 constexpr int kNumConsumerThreads = 256;
 constexpr int kClaimDepth = 2;  // pair walk: units rank 0 may claim ahead of rank 1
+constexpr int kTileRingDepth = 2;  // tiles the weight producer may hand over ahead of the token producer
 
 enum class Gemms { kL1, kL2, kFused };
 
@@ -137,7 +139,8 @@ struct GemmSmem {
   static_assert(kScales % 16 == 0 && kEpilogue % 16 == 0, "scale slots must stay 16-byte aligned");
   static constexpr int kBytes = 1024 /* alignment slack */ + kNumStages * (kTileA + kTileB) + kEpilogue +
                                 2 * kNumStages * 8 + kNumStages * int(sizeof(WorkTile)) + kNumStages * kScales +
-                                kClaimDepth * (2 * 8 + 4);  // the pair walk's claim ring
+                                kClaimDepth * (2 * 8 + 4) +  // the pair walk's claim ring
+                                kTileRingDepth * (2 * 8 + int(sizeof(WorkTile)));  // weight -> token producer
 };
 
 template <int kBlockM, int kNumStages, Gemms kGemms, bool kPairs>
@@ -170,8 +173,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   uint64_t* empty = full + kNumStages;
   uint64_t* claim_full = empty + kNumStages;            // pair walk, rank 1: claim_unit[i] written
   uint64_t* claim_empty = claim_full + kClaimDepth;     // pair walk, rank 0: rank 1 has read claim_unit[i]
-  WorkTile* tile_infos = reinterpret_cast<WorkTile*>(claim_empty + kClaimDepth);  // [kNumStages], see TileInfo
-  int* claim_unit = reinterpret_cast<int*>(tile_infos + kNumStages);              // [kClaimDepth], rank 1's
+  uint64_t* ring_full = claim_empty + kClaimDepth;      // tile_ring[i] written (weight producer)
+  uint64_t* ring_empty = ring_full + kTileRingDepth;    // tile_ring[i] read (token producer)
+  WorkTile* tile_infos = reinterpret_cast<WorkTile*>(ring_empty + kTileRingDepth);  // [kNumStages], see TileInfo
+  WorkTile* tile_ring = tile_infos + kNumStages;                                    // [kTileRingDepth]
+  int* claim_unit = reinterpret_cast<int*>(tile_ring + kTileRingDepth);             // [kClaimDepth], rank 1's
   const uint32_t rank = kPairs ? ptx::cluster_ctarank() : 0, peer = rank ^ 1;
 
   const int warpgroup = threadIdx.x / 128;
@@ -185,7 +191,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbarrier_init(&full[s], 1 + 32);  // lane 0's expect_tx (or plain) arrival + the 32 scale-copy lanes
+      // Per producer warp: lane 0's expect_tx (or plain) arrival + its 32 scale-copy lanes.
+      ptx::mbarrier_init(&full[s], 2 * (1 + 32));
       // One arrival per consumer thread (pair walk: plus one per consumer warp of the other CTA; a stage is
       // multicast into both).
       ptx::mbarrier_init(&empty[s], kNumConsumerThreads + (kPairs ? kNumConsumerThreads / 32 : 0));
@@ -193,6 +200,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if constexpr (kPairs)
       for (int i = 0; i < kClaimDepth; ++i)
         ptx::mbarrier_init(&claim_full[i], 1), ptx::mbarrier_init(&claim_empty[i], 1);
+    // ring_empty: every token-producer lane arrives, releasing its own read of the entry (see the consumers' release).
+    for (int i = 0; i < kTileRingDepth; ++i) ptx::mbarrier_init(&ring_full[i], 1), ptx::mbarrier_init(&ring_empty[i], 32);
     ptx::fence_barrier_init();
   }
   // Pair walk: the other CTA's barriers are initialised before any multicast or remote arrival reaches them.
@@ -202,7 +211,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (warpgroup == 0) {
     // ======================================================================== producer
     ptx::setmaxnreg_dec<40>();
-    if (threadIdx.x < 32) {
+    const int producer_warp = threadIdx.x / 32;  // 0: weights, 1: tokens (see the header)
+    if (producer_warp < 2) {
       // NOTES: routing metadata (tile_offset, expert_offset, the zeroed sched words) is final before this grid
       // launches: the predecessor allows the launch only after its own dependency wait, which follows the
       // routing kernel. Reads bypass L1 (__ldcg) so no line cached by an earlier kernel on this SM can be stale.
@@ -210,216 +220,234 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const int nblocks1 = (p.op[0].n + kBlockN - 1) / kBlockN, nblocks2 = (p.op[1].n + kBlockN - 1) / kBlockN;
       const int num_l1_tiles = kGemms == Gemms::kL2 ? 0 : num_blocks * nblocks1;
       const int num_tiles = num_l1_tiles + (kGemms == Gemms::kL1 ? 0 : num_blocks * nblocks2);
-      auto work_tile = [&](int tile) {
-        WorkTile w;
-        w.gemm = tile < num_l1_tiles ? 0 : 1;
-        static_cast<TileInfo&>(w) = decode_tile_warp(tile - (w.gemm ? num_l1_tiles : 0), tile_offset, expert_offset,
-                                                num_experts, w.gemm ? nblocks2 : nblocks1, kRoutingBlock);
-        if constexpr (kPairs) {  // this CTA's half of the pair; rows 0: a phantom half
-          const int pair_rows = w.rows;
-          w.row0 += static_cast<int>(rank) * kBlockM;
-          w.rows = max(0, min(kBlockM, pair_rows - static_cast<int>(rank) * kBlockM));
-        }
-        return w;
-      };
-      // Pair walk: rank 0 claims from the global counter and publishes each unit in rank 1's claim ring; rank 1
-      // reads them in order and frees the entry. Every lane returns the unit.
-      int num_claims = 0;
-      auto claim = [&] {
-        int unit = 0;
-        if (lane == 0) {
-          if constexpr (kPairs) {
-            const int i = num_claims % kClaimDepth;
-            const uint32_t parity = (num_claims / kClaimDepth) & 1;
-            if (rank == 0) {
-              ptx::mbarrier_wait_cluster(&claim_empty[i], parity ^ 1);
-              unit = atomicAdd(sched, 1);
-              ptx::st_shared_cluster(ptx::mapa_shared(ptx::smem_addr(claim_unit + i), peer), unit);
-              ptx::mbarrier_arrive_cluster(ptx::mapa_shared(ptx::smem_addr(claim_full + i), peer));
-            } else {
-              ptx::mbarrier_wait_cluster(&claim_full[i], parity);
-              unit = *reinterpret_cast<volatile int*>(claim_unit + i);
-              ptx::mbarrier_arrive_cluster(ptx::mapa_shared(ptx::smem_addr(claim_empty + i), peer));
-            }
-          } else {
-            unit = atomicAdd(sched, 1);
-          }
-        }
-        ++num_claims;
-        return __shfl_sync(0xffffffffu, unit, 0);
-      };
       // A stage is free once its consumers released it (pair walk: both CTAs' consumers, 8 warps remote).
       auto wait_empty = [&](int s, uint32_t parity) {
         if constexpr (kPairs) ptx::mbarrier_wait_cluster(&empty[s], parity);
         else ptx::mbarrier_wait(&empty[s], parity);
       };
-      if (lane == 0) {  // the tensor maps this launch uses
-        if constexpr (kGemms != Gemms::kL2) {
-          ptx::prefetch_tensormap(&tmap_weights1);
-          ptx::prefetch_tensormap(&tmap_acts1);
+      // The end of the walk: one more stage, no data, which the consumers read and stop at (each producer warp
+      // arrives as it would for a stage: 32 lanes plus lane 0 in place of its expect_tx arrival).
+      auto end_stage = [&](int s, uint32_t phase) {
+        wait_empty(s, phase ^ 1);
+        if (producer_warp == 0 && lane == 0) {
+          WorkTile end{};
+          end.expert = -1;
+          tile_infos[s] = end;
         }
-        if constexpr (kGemms != Gemms::kL1) {
-          ptx::prefetch_tensormap(&tmap_weights2);
-          ptx::prefetch_tensormap(&tmap_acts2);
-        }
-      }
-
-      // Token parts (token tile and token scales) wait on the previous grid (gather or L1: programmatic launch)
-      // and, for a fused L2 tile, on its expert's L1 tiles; weights and weight scales wait on nothing. A stage
-      // whose token part must wait is issued without it and recorded here; the token parts go out in order
-      // when the ring is all such stages or the tile ends (a later tile's stages must never sit behind them:
-      // the consumers take stages in order, so the producer would wait for a slot they cannot free).
-      struct Pending {
-        int stage, kb, row0, rows, gemm;
+        __syncwarp();
+        ptx::mbarrier_arrive(&full[s]);
+        if (lane == 0) ptx::mbarrier_arrive(&full[s]);
       };
-      // Every L1 tile of expert e has stored its pool rows and scales (its consumers' release, acquired here).
-      auto l1_done = [&](int e) {
-        // Pair walk: the expert's real 64-row halves (phantom halves count nothing).
-        const int blocks = kPairs ? (__ldcg(expert_offset + e + 1) - __ldcg(expert_offset + e) + kBlockM - 1) / kBlockM
-                                  : __ldcg(tile_offset + e + 1) - __ldcg(tile_offset + e);
-        return ptx::ld_acquire_gpu(sched + 1 + e) >= blocks * nblocks1;
-      };
-      Pending pending[kNumStages];
-      int num_pending = 0, pending_expert = -1;  // the fused L2 tile's expert the pending parts wait for
-      bool grid_ready = false;
-      auto token_part = [&](int stage, int kb, int row0, int rows, int gemm) {
-        if (lane == 0)
-          ptx::tma_load_2d(tile_b + stage * Smem::kTileB, gemm ? &tmap_acts2 : &tmap_acts1, &full[stage], kb * kBlockK,
-                           row0);
-        // The tile's own token columns [row0, row0 + rows); the other slots keep old values (those columns are
-        // never stored). NOTES: the columns past `rows` belong to the next expert, whose fused L1 tiles may still
-        // be writing them; cp.async.ca would cache such lines in L1.
-        float* dst = stage_scales + stage * (Smem::kScales / 4) + kBlockN / 64;
-        const float* src = p.op[gemm].acts_sf + int64_t(kb) * l.pool_rows + row0;
-#pragma unroll
-        for (int c = lane; c < kBlockM; c += 32)
-          if (c < rows) ptx::cp_async_4(dst + c, src + c);
-        ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
-      };
-      auto flush_pending = [&] {
-        if (num_pending == 0) return;
-        if (!grid_ready) {
-          ptx::grid_dependency_wait();
-          ptx::launch_dependents();
-          grid_ready = true;
-        }
-        if (kFused && pending_expert >= 0) {
-          while (!l1_done(pending_expert)) __nanosleep(32);
-          ptx::fence_proxy_async_global();  // the L1 tiles' generic stores, read next by TMA
-        }
-        for (int i = 0; i < num_pending; ++i)
-          token_part(pending[i].stage, pending[i].kb, pending[i].row0, pending[i].rows, pending[i].gemm);
-        num_pending = 0;
-        pending_expert = -1;
-      };
-
       int stage = 0;
       uint32_t phase = 0;
-      int tile = kFused ? 0 : static_cast<int>(blockIdx.x);
-#ifdef MEGAMOE_TILE_TRACE
-      int trace_n = 0, trace_cur = -1, trace_tile[kTraceTiles];  // trace_cur: the slot of the tile being issued
-      uint64_t trace_claim[kTraceTiles], trace_issue[kTraceTiles];  // claimed; first weight load issued
-      // Per tile: SM cycles the producer spent waiting for free stages, and from its first stage to its last issued.
-      int64_t trace_pwait[kTraceTiles] = {}, trace_pspan[kTraceTiles] = {};
-#endif
-      for (bool first = true;; first = false) {
-        flush_pending();  // the previous tile's token parts (see Pending)
-        if constexpr (kFused) {
-          tile = claim();
-        } else if (!first) {
-          tile += static_cast<int>(gridDim.x);
-        }
-#ifdef MEGAMOE_TILE_TRACE
-        trace_cur = trace_n < kTraceTiles ? trace_n : -1;
-        if (lane == 0 && trace_cur >= 0) trace_tile[trace_n] = tile, trace_claim[trace_n++] = ptx::globaltimer_ns();
-#endif
-        if (tile >= num_tiles) {
-          // End marker: one more stage, no data, which the consumers read and stop at.
-          wait_empty(stage, phase ^ 1);
+      if (producer_warp == 0) {
+        // ==================================================================== weight producer (warp 0)
+        // Walks the tiles (claims them in the fused walk), writes each tile's WorkTile beside its first stage,
+        // hands it to the token producer, and loads every stage's weight tile and weight scales: nothing to
+        // wait for but free stages.
+        auto work_tile = [&](int tile) {
+          WorkTile w;
+          w.gemm = tile < num_l1_tiles ? 0 : 1;
+          static_cast<TileInfo&>(w) = decode_tile_warp(tile - (w.gemm ? num_l1_tiles : 0), tile_offset, expert_offset,
+                                                  num_experts, w.gemm ? nblocks2 : nblocks1, kRoutingBlock);
+          if constexpr (kPairs) {  // this CTA's half of the pair; rows 0: a phantom half
+            const int pair_rows = w.rows;
+            w.row0 += static_cast<int>(rank) * kBlockM;
+            w.rows = max(0, min(kBlockM, pair_rows - static_cast<int>(rank) * kBlockM));
+          }
+          return w;
+        };
+        // Pair walk: rank 0 claims from the global counter and publishes each unit in rank 1's claim ring; rank 1
+        // reads them in order and frees the entry. Every lane returns the unit.
+        int num_claims = 0;
+        auto claim = [&] {
+          int unit = 0;
           if (lane == 0) {
+            if constexpr (kPairs) {
+              const int i = num_claims % kClaimDepth;
+              const uint32_t parity = (num_claims / kClaimDepth) & 1;
+              if (rank == 0) {
+                ptx::mbarrier_wait_cluster(&claim_empty[i], parity ^ 1);
+                unit = atomicAdd(sched, 1);
+                ptx::st_shared_cluster(ptx::mapa_shared(ptx::smem_addr(claim_unit + i), peer), unit);
+                ptx::mbarrier_arrive_cluster(ptx::mapa_shared(ptx::smem_addr(claim_full + i), peer));
+              } else {
+                ptx::mbarrier_wait_cluster(&claim_full[i], parity);
+                unit = *reinterpret_cast<volatile int*>(claim_unit + i);
+                ptx::mbarrier_arrive_cluster(ptx::mapa_shared(ptx::smem_addr(claim_empty + i), peer));
+              }
+            } else {
+              unit = atomicAdd(sched, 1);
+            }
+          }
+          ++num_claims;
+          return __shfl_sync(0xffffffffu, unit, 0);
+        };
+        // Hands tile number n of this CTA's walk (expert < 0: the end) to the token producer.
+        int num_handed = 0;
+        auto hand_over = [&](const WorkTile& w) {
+          const int i = num_handed % kTileRingDepth;
+          if (lane == 0) {
+            ptx::mbarrier_wait(&ring_empty[i], ((num_handed / kTileRingDepth) & 1) ^ 1);
+            tile_ring[i] = w;
+            ptx::mbarrier_arrive(&ring_full[i]);
+          }
+          ++num_handed;
+        };
+        if (lane == 0) {  // the tensor maps this launch uses
+          if constexpr (kGemms != Gemms::kL2) {
+            ptx::prefetch_tensormap(&tmap_weights1);
+            ptx::prefetch_tensormap(&tmap_acts1);
+          }
+          if constexpr (kGemms != Gemms::kL1) {
+            ptx::prefetch_tensormap(&tmap_weights2);
+            ptx::prefetch_tensormap(&tmap_acts2);
+          }
+        }
+        int tile = kFused ? 0 : static_cast<int>(blockIdx.x);
+#ifdef MEGAMOE_TILE_TRACE
+        int trace_n = 0, trace_cur = -1, trace_tile[kTraceTiles];  // trace_cur: the slot of the tile being issued
+        uint64_t trace_claim[kTraceTiles], trace_issue[kTraceTiles];  // claimed; first weight load issued
+        // Per tile: SM cycles this warp spent waiting for free stages, and from its first stage to its last issued.
+        int64_t trace_pwait[kTraceTiles] = {}, trace_pspan[kTraceTiles] = {};
+#endif
+        for (bool first = true;; first = false) {
+          if constexpr (kFused) {
+            tile = claim();
+          } else if (!first) {
+            tile += static_cast<int>(gridDim.x);
+          }
+#ifdef MEGAMOE_TILE_TRACE
+          trace_cur = trace_n < kTraceTiles ? trace_n : -1;
+          if (lane == 0 && trace_cur >= 0) trace_tile[trace_n] = tile, trace_claim[trace_n++] = ptx::globaltimer_ns();
+#endif
+          if (tile >= num_tiles) {
             WorkTile end{};
             end.expert = -1;
-            tile_infos[stage] = end;
+            hand_over(end);
+            end_stage(stage, phase);
+            break;
           }
-          __syncwarp();
-          ptx::mbarrier_arrive(&full[stage]);  // 32 lanes
-          if (lane == 0) ptx::mbarrier_arrive(&full[stage]);  // in place of the expect_tx arrival
-          break;
+          const WorkTile t = work_tile(tile);
+          hand_over(t);
+          const GemmOperand& op = p.op[t.gemm];
+          const CUtensorMap* tmap_w = t.gemm ? &tmap_weights2 : &tmap_weights1;
+          const int num_kblocks = op.k / kBlockK;
+          const int weight_row = t.expert * op.n + t.n_block * kBlockN;
+          const int first_chunk = weight_row / 64;
+          const bool chunk_valid = lane < kBlockN / 64 && t.n_block * kBlockN + lane * 64 < op.n;
+          for (int kb = 0; kb < num_kblocks; ++kb) {
+#ifdef MEGAMOE_TILE_TRACE
+            const int64_t trace_w0 = clock64();
+            if (kb == 0 && trace_cur >= 0) trace_pspan[trace_cur] = -trace_w0;
+#endif
+            wait_empty(stage, phase ^ 1);
+#ifdef MEGAMOE_TILE_TRACE
+            if (trace_cur >= 0) trace_pwait[trace_cur] += clock64() - trace_w0;
+#endif
+            if (lane == 0) {
+              if (kb == 0) tile_infos[stage] = t;
+              // Both weight halves land here (pair walk: one of them multicast by the other CTA, maybe first:
+              // bytes before this phase's expect_tx are allowed, and the slot was free in both CTAs).
+              ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA);
+              if constexpr (kPairs)
+                ptx::tma_load_2d_multicast(tile_a + stage * Smem::kTileA + rank * (Smem::kTileA / 2), tmap_w,
+                                           &full[stage], kb * kBlockK,
+                                           weight_row + static_cast<int>(rank) * (kBlockN / 2), 0x3);
+              else
+                ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w, &full[stage], kb * kBlockK, weight_row);
+#ifdef MEGAMOE_TILE_TRACE
+              if (kb == 0 && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
+#endif
+            }
+            // Weight scales of the tile's four 64-row chunks (lanes 0-3; chunks past n are never read).
+            if (chunk_valid)
+              ptx::cp_async_4(stage_scales + stage * (Smem::kScales / 4) + lane,
+                              op.weights_sf + int64_t(first_chunk + lane) * num_kblocks + kb);
+            ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
+            if (++stage == kNumStages) stage = 0, phase ^= 1;
+#ifdef MEGAMOE_TILE_TRACE
+            if (kb == num_kblocks - 1 && trace_cur >= 0) trace_pspan[trace_cur] += clock64();
+#endif
+          }
         }
-        const WorkTile t = work_tile(tile);
-        const GemmOperand& op = p.op[t.gemm];
-        const CUtensorMap* tmap_w = t.gemm ? &tmap_weights2 : &tmap_weights1;
-        const int num_kblocks = op.k / kBlockK;
-        const int weight_row = t.expert * op.n + t.n_block * kBlockN;
-        const int first_chunk = weight_row / 64;
-        const bool chunk_valid = lane < kBlockN / 64 && t.n_block * kBlockN + lane * 64 < op.n;
-        // A phantom half (pair walk) has no token part: it streams its weight half for the other CTA.
-        const bool has_tokens = !kPairs || t.rows > 0;
-        // A fused L2 tile whose expert's L1 tiles are done already loads its token part directly.
-        bool tile_ready = !(kFused && t.gemm == 1) || !has_tokens;
-        // Warp-uniform (every lane's own acquire must have seen the count before any lane loads).
-        if (kFused && !tile_ready && grid_ready && __all_sync(0xffffffffu, l1_done(t.expert))) {
-          ptx::fence_proxy_async_global();
-          tile_ready = true;
+#ifdef MEGAMOE_TILE_TRACE
+        if (lane == 0 && blockIdx.x < kTraceMaxCtas) {
+          TraceRecord& r = g_fp8_trace[blockIdx.x];
+          r.producer_n = trace_n;
+          for (int i = 0; i < trace_n; ++i) {
+            r.tile[i] = trace_tile[i], r.claim[i] = trace_claim[i];
+            r.issue[i] = trace_tile[i] < num_tiles ? trace_issue[i] : trace_claim[i];
+            r.pwait[i] = trace_pwait[i], r.pspan[i] = trace_pspan[i];
+          }
         }
-        for (int kb = 0; kb < num_kblocks; ++kb) {
-          if (num_pending == kNumStages) {
-            flush_pending();  // this tile's (see Pending): both of its gates are open afterwards
-            tile_ready = true;
+#endif
+      } else {
+        // ==================================================================== token producer (warp 1)
+        // Loads every stage's token tile and token scales, in the weight producer's tile order. Token parts wait
+        // on the previous grid (gather or L1: programmatic launch) and a fused L2 tile's on its expert's L1 tiles;
+        // this warp simply waits, while the weight producer streams ahead (it depends on nothing).
+        // NOTES: one producer warp did both before (the token parts that had to wait were queued behind later
+        // stages' weights): ncu and the tile trace (H100, V4-Flash T=8192, 2026-11-25) had its ~110 dependent
+        // instructions per stage at ~8 cycles each bound the main loop (~1,000 of ~1,140 cycles per stage).
+        // Every L1 tile of expert e has stored its pool rows and scales (their release, acquired here).
+        auto l1_done = [&](int e) {
+          // Pair walk: the expert's real 64-row halves (phantom halves count nothing).
+          const int blocks = kPairs ? (__ldcg(expert_offset + e + 1) - __ldcg(expert_offset + e) + kBlockM - 1) / kBlockM
+                                    : __ldcg(tile_offset + e + 1) - __ldcg(tile_offset + e);
+          return ptx::ld_acquire_gpu(sched + 1 + e) >= blocks * nblocks1;
+        };
+        bool grid_ready = false;
+        for (int n = 0;; ++n) {
+          const int i = n % kTileRingDepth;
+          ptx::mbarrier_wait(&ring_full[i], (n / kTileRingDepth) & 1);
+          const WorkTile t = tile_ring[i];
+          ptx::mbarrier_arrive(&ring_empty[i]);
+          if (t.expert < 0) {
+            end_stage(stage, phase);
+            break;
           }
-#ifdef MEGAMOE_TILE_TRACE
-          const int64_t trace_w0 = clock64();
-          if (kb == 0 && trace_cur >= 0) trace_pspan[trace_cur] = -trace_w0;
-#endif
-          wait_empty(stage, phase ^ 1);
-#ifdef MEGAMOE_TILE_TRACE
-          if (trace_cur >= 0) trace_pwait[trace_cur] += clock64() - trace_w0;
-#endif
-          if (lane == 0) {
-            if (kb == 0) tile_infos[stage] = t;
-            // Both weight halves land here (pair walk: one of them multicast by the other CTA, maybe first: bytes
-            // before this phase's expect_tx are allowed, and the slot was free in both CTAs).
-            ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileA + (has_tokens ? Smem::kTileB : 0));
-            if constexpr (kPairs)
-              ptx::tma_load_2d_multicast(tile_a + stage * Smem::kTileA + rank * (Smem::kTileA / 2), tmap_w,
-                                         &full[stage], kb * kBlockK, weight_row + static_cast<int>(rank) * (kBlockN / 2),
-                                         0x3);
-            else
-              ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w, &full[stage], kb * kBlockK, weight_row);
-#ifdef MEGAMOE_TILE_TRACE
-            if (kb == 0 && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
-#endif
+          const GemmOperand& op = p.op[t.gemm];
+          const int num_kblocks = op.k / kBlockK;
+          // A phantom half (pair walk) has no token part: it streams its weight half for the other CTA.
+          const bool has_tokens = !kPairs || t.rows > 0;
+          if (has_tokens && !grid_ready) {
+            ptx::grid_dependency_wait();
+            ptx::launch_dependents();
+            grid_ready = true;
           }
-          // Weight scales of the tile's four 64-row chunks (lanes 0-3; chunks past n are never read).
-          if (chunk_valid)
-            ptx::cp_async_4(stage_scales + stage * (Smem::kScales / 4) + lane,
-                            op.weights_sf + int64_t(first_chunk + lane) * num_kblocks + kb);
-          if (!has_tokens) {
-            ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);  // the weight scales only
-          } else if (!grid_ready || !tile_ready) {
-            pending[num_pending++] = {stage, kb, t.row0, t.rows, t.gemm};
-            if (!tile_ready) pending_expert = t.expert;
-          } else {
-            token_part(stage, kb, t.row0, t.rows, t.gemm);
+          if (kFused && has_tokens && t.gemm == 1) {
+            // Warp-uniform (every lane's own acquire must have seen the count before any lane loads).
+            while (!__all_sync(0xffffffffu, l1_done(t.expert))) __nanosleep(32);
+            ptx::fence_proxy_async_global();  // the L1 tiles' generic stores, read next by TMA
           }
-          if (++stage == kNumStages) stage = 0, phase ^= 1;
-#ifdef MEGAMOE_TILE_TRACE
-          if (kb == num_kblocks - 1 && trace_cur >= 0) trace_pspan[trace_cur] += clock64();
-#endif
+          const CUtensorMap* tmap_t = t.gemm ? &tmap_acts2 : &tmap_acts1;
+          const float* src_sf = op.acts_sf + t.row0;
+          for (int kb = 0; kb < num_kblocks; ++kb) {
+            wait_empty(stage, phase ^ 1);
+            if (has_tokens) {
+              if (lane == 0) {
+                ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileB);
+                ptx::tma_load_2d(tile_b + stage * Smem::kTileB, tmap_t, &full[stage], kb * kBlockK, t.row0);
+              }
+              // The tile's own token columns [row0, row0 + rows); the other slots keep old values (those columns
+              // are never stored). NOTES: the columns past `rows` belong to the next expert, whose fused L1 tiles may
+              // still be writing them; cp.async.ca would cache such lines in L1.
+              float* dst = stage_scales + stage * (Smem::kScales / 4) + kBlockN / 64;
+              const float* src = src_sf + int64_t(kb) * l.pool_rows;
+#pragma unroll
+              for (int c = lane; c < kBlockM; c += 32)
+                if (c < t.rows) ptx::cp_async_4(dst + c, src + c);
+              ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
+            } else {
+              ptx::mbarrier_arrive(&full[stage]);  // 32 lanes
+              if (lane == 0) ptx::mbarrier_arrive(&full[stage]);  // in place of the expect_tx arrival
+            }
+            if (++stage == kNumStages) stage = 0, phase ^= 1;
+          }
         }
       }
       ptx::cp_async_wait_all();
-#ifdef MEGAMOE_TILE_TRACE
-      if (lane == 0 && blockIdx.x < kTraceMaxCtas) {
-        TraceRecord& r = g_fp8_trace[blockIdx.x];
-        r.producer_n = trace_n;
-        for (int i = 0; i < trace_n; ++i) {
-          r.tile[i] = trace_tile[i], r.claim[i] = trace_claim[i];
-          r.issue[i] = trace_tile[i] < num_tiles ? trace_issue[i] : trace_claim[i];
-          r.pwait[i] = trace_pwait[i], r.pspan[i] = trace_pspan[i];
-        }
-      }
-#endif
     }
     if constexpr (kPairs) ptx::cluster_sync();  // see the consumers' exit
     return;
@@ -639,7 +667,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       trace_epilogue(3);
       if constexpr (kFused) {
         // This L1 tile's outputs (rows and scales, every consumer thread's, ordered by the barrier) are
-        // stored: count it for its expert; the expert's L2 tiles wait for the count (producer, Pending).
+        // stored: count it for its expert; the expert's L2 tiles wait for the count (token producer).
         // NOTES: the release is cumulative (PTX memory model: the other threads' stores precede it through the
         // CTA barrier), so no fence before it; a __threadfence() there compiled to MEMBAR.SC.GPU and an L1
         // invalidate ahead of the release's own MEMBAR.ALL.GPU: ~1.6 µs per L1 tile on this thread, whose
