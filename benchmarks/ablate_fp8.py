@@ -36,7 +36,8 @@ PATCHES = {
          "            if (false && chunk_valid)\n              ptx::cp_async_4("),
     ],
     "no-token-tma": [
-        ("                ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileB);\n                ptx::tma_load_2d(",
+        ("                ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileB);\n"
+         "                ptx::tma_load_2d(",
          "                ptx::mbarrier_arrive_expect_tx(&full[stage], 0 * Smem::kTileB);\n"
          "                if (false) ptx::tma_load_2d("),
     ],

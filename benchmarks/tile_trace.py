@@ -4,7 +4,7 @@
     python benchmarks/tile_trace.py [--model V4-Flash] [--tokens 1] [--no-flush] [--graph] [--json out.json]
 
 Runs one call (after warm-up and an L2 flush) in a child process, whose kernels print, at exit, the global-timer
-stamps of each CTA's tiles: when the producer claimed the tile and issued its first weight load, when its first
+stamps of each CTA's tiles: when the weight producer claimed the tile and issued its first weight load, when its first
 stage was full (consumers), when the main loop, each epilogue phase and the epilogue ended. Prints the walk's
 phases (µs from the first claim): L1 / L2 tile starts and ends, each tile's main-loop time and weight bytes per µs,
 the epilogue's phases, how many CTAs hold a tile over time, and the gap
@@ -195,7 +195,7 @@ def summarize(tiles, claims, entries, shape) -> dict:
         if wait[("pwait", gemm)]:
             out[name]["producer_span_per_kblock_median"] = statistics.median(wait[("pspan", gemm)])
             out[name]["producer_empty_wait_per_kblock_median"] = statistics.median(wait[("pwait", gemm)])
-            print(f"{name}: producer cycles per k block (median): first to last stage issued "
+            print(f"{name}: weight producer (warp 0) cycles per k block (median): first to last stage issued "
                   f"{statistics.median(wait[('pspan', gemm)]):.0f}, of which waiting for free stages "
                   f"{statistics.median(wait[('pwait', gemm)]):.0f}")
     if wait["decode"]:

@@ -19,18 +19,27 @@ def load(name: str):
 
 
 def test_fused_fp8_protocol_random_configurations():
-    """No deadlock, every tile consumed once, L2 token parts only after their expert's L1 tiles (40 random
-    configurations with late CTAs, the script's own generator)."""
+    """The two producer warps (weights and the walk; token parts behind the grid dependency and the L1 counts): no
+    deadlock, every tile consumed once, L2 token parts only after their expert's L1 tiles, both parts of every stage
+    from the same tile (40 random configurations with late CTAs, the script's own generator)."""
     model = load("fused_fp8_protocol")
     rnd = random.Random(0)
     for s in range(40):
-        e = rnd.randint(1, 6)
-        blocks = [rnd.randint(0, 3) for _ in range(e)]
-        if sum(blocks) == 0:
-            blocks[0] = 1
-        model.run(s, num_experts=e, blocks=blocks, nb1=rnd.randint(1, 4), nb2=rnd.randint(1, 3),
-                  kb1=rnd.randint(1, 9), kb2=rnd.randint(1, 9), stages=rnd.randint(2, 6), ctas=rnd.randint(1, 12),
-                  grid_delay=rnd.randint(0, 40))
+        model.run(s, **model.random_configuration(rnd))
+
+
+@pytest.mark.parametrize("mutation", ["no_l1_gate", "ring_overwrite"])
+def test_fused_fp8_protocol_catches_broken_rules(mutation):
+    """Each rule of the one-CTA walk, broken on purpose, fails the model in some of 40 configurations."""
+    model = load("fused_fp8_protocol")
+    rnd = random.Random(1)
+    caught = 0
+    for s in range(40):
+        try:
+            model.run(s, **model.random_configuration(rnd), mutation=mutation)
+        except AssertionError:
+            caught += 1
+    assert caught > 0
 
 
 def test_fused_fp8_cluster_protocol_random_configurations():

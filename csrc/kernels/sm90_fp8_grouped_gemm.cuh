@@ -201,7 +201,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       for (int i = 0; i < kClaimDepth; ++i)
         ptx::mbarrier_init(&claim_full[i], 1), ptx::mbarrier_init(&claim_empty[i], 1);
     // ring_empty: every token-producer lane arrives, releasing its own read of the entry (see the consumers' release).
-    for (int i = 0; i < kTileRingDepth; ++i) ptx::mbarrier_init(&ring_full[i], 1), ptx::mbarrier_init(&ring_empty[i], 32);
+    for (int i = 0; i < kTileRingDepth; ++i)
+      ptx::mbarrier_init(&ring_full[i], 1), ptx::mbarrier_init(&ring_empty[i], 32);
     ptx::fence_barrier_init();
   }
   // Pair walk: the other CTA's barriers are initialised before any multicast or remote arrival reaches them.
@@ -393,8 +394,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         // Every L1 tile of expert e has stored its pool rows and scales (their release, acquired here).
         auto l1_done = [&](int e) {
           // Pair walk: the expert's real 64-row halves (phantom halves count nothing).
-          const int blocks = kPairs ? (__ldcg(expert_offset + e + 1) - __ldcg(expert_offset + e) + kBlockM - 1) / kBlockM
-                                    : __ldcg(tile_offset + e + 1) - __ldcg(tile_offset + e);
+          const int blocks =
+              kPairs ? (__ldcg(expert_offset + e + 1) - __ldcg(expert_offset + e) + kBlockM - 1) / kBlockM
+                     : __ldcg(tile_offset + e + 1) - __ldcg(tile_offset + e);
           return ptx::ld_acquire_gpu(sched + 1 + e) >= blocks * nblocks1;
         };
         bool grid_ready = false;

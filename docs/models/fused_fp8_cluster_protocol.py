@@ -1,8 +1,10 @@
 """Model check of the pair walk (csrc/kernels/sm90_fp8_grouped_gemm.cuh, kPairs; off by default, MEGAMOE_FP8_PAIRS=1):
 the fused FP8 grouped GEMM's walk in two-CTA clusters that share each weight tile by TMA multicast, so a CTA-stage
 moves 24 KB instead of 40. Planned when T=8192 read as bound by L2 -> SM bandwidth (eleventh session); built and
-measured slower in the twelfth (docs/perf-notes.md). It extends fused_fp8_protocol.py (the one-CTA walk); rerun both
-when the protocol changes.
+measured slower in the twelfth (docs/perf-notes.md). It extends the one-CTA walk's model as it was then, with one
+producer warp per CTA that defers token parts ("Pending"); since a8ea2ae the kernel fills each stage from two producer
+warps (weights; token parts, which simply wait), modelled for the one-CTA walk in fused_fp8_protocol.py, not yet here.
+Rerun both when the protocol changes.
 
 Modelled:
 - Work units in list order: L1 units (expert, token-block pair p, weight block n), then L2 units; the pair covers
