@@ -28,20 +28,6 @@ def test_fused_fp8_protocol_random_configurations():
         model.run(s, **model.random_configuration(rnd))
 
 
-@pytest.mark.parametrize("mutation", ["no_l1_gate", "ring_overwrite"])
-def test_fused_fp8_protocol_catches_broken_rules(mutation):
-    """Each rule of the one-CTA walk, broken on purpose, fails the model in some of 40 configurations."""
-    model = load("fused_fp8_protocol")
-    rnd = random.Random(1)
-    caught = 0
-    for s in range(40):
-        try:
-            model.run(s, **model.random_configuration(rnd), mutation=mutation)
-        except AssertionError:
-            caught += 1
-    assert caught > 0
-
-
 def test_fused_fp8_cluster_protocol_random_configurations():
     """The pair walk (two-CTA clusters sharing weight tiles by multicast; built, off by default): no deadlock, every (unit, rank) consumed
     once, no multicast into a slot the peer CTA has not released, L2 token parts after their expert's L1 blocks, and
@@ -52,11 +38,14 @@ def test_fused_fp8_cluster_protocol_random_configurations():
         model.run(s, **model.random_configuration(rnd))
 
 
-@pytest.mark.parametrize("mutation", ["own_slot_only", "no_l1_gate", "no_ring_flush"])
-def test_fused_fp8_cluster_protocol_catches_broken_rules(mutation):
-    """Each rule the cluster walk relies on, broken on purpose, fails the model in some of 40 configurations (a
-    model that passes everything checks nothing)."""
-    model = load("fused_fp8_cluster_protocol")
+@pytest.mark.parametrize("name,mutation", [
+    ("fused_fp8_protocol", "no_l1_gate"), ("fused_fp8_protocol", "ring_overwrite"),
+    ("fused_fp8_cluster_protocol", "own_slot_only"), ("fused_fp8_cluster_protocol", "no_l1_gate"),
+    ("fused_fp8_cluster_protocol", "no_ring_flush")])
+def test_protocol_models_catch_broken_rules(name, mutation):
+    """Each rule a walk relies on, broken on purpose, fails its model in some of 40 configurations (a model that
+    passes everything checks nothing)."""
+    model = load(name)
     rnd = random.Random(1)
     caught = 0
     for s in range(40):

@@ -61,6 +61,17 @@ def run(seed, num_experts, blocks, nb1, nb2, kb1, kb2, stages, ctas, grid_delay,
     def slot_free(x, seq):
         return seq - x.cons_seq < stages  # the slot's previous stage (seq - stages) is released
 
+    def end_stage(x, p, marks_end):
+        # One more stage, no data: a producer warp's arrivals (the weight producer also writes the end marker).
+        if not slot_free(x, p["seq"]):
+            return False
+        st = record(x, p["seq"])
+        st["end"] |= marks_end
+        st["arrivals"] += ARRIVALS // 2
+        p["seq"] += 1
+        p["done"] = True
+        return True
+
     def wp_step(x):
         p = x.wp
         if p["done"]:
@@ -80,14 +91,7 @@ def run(seed, num_experts, blocks, nb1, nb2, kb1, kb2, stages, ctas, grid_delay,
             p["kb"] = 0
             return True
         if p["state"] == "end":
-            if not slot_free(x, p["seq"]):
-                return False
-            st = record(x, p["seq"])
-            st["end"] = True
-            st["arrivals"] += ARRIVALS // 2
-            p["seq"] += 1
-            p["done"] = True
-            return True
+            return end_stage(x, p, True)
         t = tiles[p["tile"]]
         if p["kb"] == nk(t):
             p["state"] = "claim"
@@ -115,12 +119,7 @@ def run(seed, num_experts, blocks, nb1, nb2, kb1, kb2, stages, ctas, grid_delay,
             p["state"] = "end" if p["tile"] is None else "gate"
             return True
         if p["state"] == "end":
-            if not slot_free(x, p["seq"]):
-                return False
-            record(x, p["seq"])["arrivals"] += ARRIVALS // 2
-            p["seq"] += 1
-            p["done"] = True
-            return True
+            return end_stage(x, p, False)
         t = p["tile"]
         if p["state"] == "gate":  # the grid dependency, then an L2 tile's L1 count
             if not p["grid_ready"]:
