@@ -109,11 +109,11 @@ if has ablate; then
   # Ablation builds of the FP8 GEMM (benchmarks/ablate_fp8.py: timing only, outputs garbage), each with a tile trace of
   # one call: ABLATIONS (space-separated; "none" or a comma list of ablations), ABL_MODEL (V4-Flash), ABL_TOKENS (8192).
   for abl in ${ABLATIONS:-none no-scales,no-token-tma,no-weight-tma}; do
-    tag=${abl//,/+}
+    tag=${abl//,/.}  # no '+': the device tool returns only plain file names
     tree=$(patched_tree "$abl" "build-abl-$tag.log" MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE) || continue
     (cd "$tree" && PYTHONPATH="$tree" timeout 300 python3 benchmarks/tile_trace.py --model "${ABL_MODEL:-V4-Flash}" \
       --tokens "${ABL_TOKENS:-8192}") >"$out/trace-abl-$tag.txt" 2>&1
-    echo "== ablation $abl"; grep "^L1:" "$out/trace-abl-$tag.txt" | cut -c1-200
+    echo "== ablation $abl"; grep -A4 "^L1:\|^whole walk" "$out/trace-abl-$tag.txt" | grep -v "^L1: \(epilogue\|claim\)\|^--" | cut -c1-220
   done
 fi
 if has clocks; then

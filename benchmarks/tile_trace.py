@@ -73,14 +73,14 @@ def child(model: str, tokens: int, flush: bool, graph: bool) -> None:
 
 
 def parse(lines):
-    cta_tiles, claims, entries, kernels, shape = [], [], {}, [], None
+    cta_tiles, claims, entries, kernels, shape, walks = [], [], {}, [], None, {}
     on = False
     for line in lines:
         f = line.split()
         if len(f) < 2 or f[0] != "MMTRACE":
             continue
         if f[1] == "MARK":
-            on, cta_tiles, claims, entries, kernels = True, [], [], {}, []
+            on, cta_tiles, claims, entries, kernels, walks = True, [], [], {}, [], {}
         elif f[1] == "END":
             on = False
         elif f[1] == "SHAPE":
@@ -92,6 +92,9 @@ def parse(lines):
         elif on and f[1] == "E":
             entries[int(f[2])] = int(f[4])
             kernels.append(dict(kernel="gemm", block=int(f[2]), stamps=[int(f[5]), int(f[4])]))
+        elif on and f[1] == "S":  # the CTA's whole walk: per gemm tiles, ns to first full stage / main loop / phases
+            v = [int(x) for x in f[3:20]]
+            walks[int(f[2])] = dict(l1=v[0:8], l2=v[8:16], exit=v[16])
         elif on and f[1] == "K":
             n = int(f[4])
             kernels.append(dict(kernel=f[2], block=int(f[3]), stamps=[int(v) for v in f[5:5 + n]]))
@@ -101,7 +104,46 @@ def parse(lines):
                                   epilogue=[int(v) for v in f[11:15]],
                                   main_cycles=int(f[15]) if len(f) > 15 else None,
                                   full_wait_cycles=int(f[16]) if len(f) > 16 else None))
-    return cta_tiles, claims, entries, kernels, shape
+    return cta_tiles, claims, entries, kernels, shape, walks
+
+
+def walk_totals(walks, entries) -> dict:
+    """Where the CTAs' time went over the whole walk (every tile; the per-tile records cover only each CTA's first
+    few): per gemm, the mean per CTA of the time from the previous tile's end to a tile's first full stage (waiting
+    for the tile's data, and in the fused walk for its expert's L1 tiles), in main loops and in epilogues, as
+    shares of the span from the first consumer entry to the last exit; the rest is the wait for the end marker."""
+    if not walks:
+        return {}
+    ctas = [b for b in walks if b in entries]
+    t0, t1 = min(entries[b] for b in ctas), max(walks[b]["exit"] for b in ctas)
+    span = (t1 - t0) / 1e3
+    out = {"span_us": span, "ctas": len(ctas)}
+    print(f"whole walk ({len(ctas)} CTAs, span {span:.1f} µs from the first entry to the last exit): per gemm, "
+          f"tiles, then per-CTA mean µs (share of the span) waiting for a tile's first full stage / main loops / "
+          f"epilogues, and µs per tile")
+    accounted = 0.0
+    for name in ("l1", "l2"):
+        n = sum(walks[b][name][0] for b in ctas)
+        if n == 0:
+            continue
+        phases = [sum(walks[b][name][j] for b in ctas) / 1e3 for j in range(3, 8)]
+        parts = [sum(walks[b][name][j] for b in ctas) / 1e3 for j in (1, 2)] + [sum(phases)]
+        per_cta = [v / len(ctas) for v in parts]
+        accounted += sum(per_cta)
+        names = ("swiglu", "amax", "quantize", "store", "count") if name == "l1" else ("stage", "store", "barrier")
+        per_phase = [v / n for v in phases]
+        per_phase = dict(zip(names, per_phase if name == "l1" else per_phase[:2] + per_phase[4:]))
+        out[name] = dict(tiles=n, to_first_full_us=per_cta[0], main_us=per_cta[1], epilogue_us=per_cta[2],
+                         per_tile_us=[v / n for v in parts], epilogue_phases_per_tile_us=per_phase)
+        print(f"  {name.upper()}: {n} tiles; " + " / ".join(f"{v:.1f} ({v / span:.0%})" for v in per_cta) +
+              "; per tile " + " / ".join(f"{v / n:.2f}" for v in parts) + " (epilogue: " +
+              " ".join(f"{k} {v:.2f}" for k, v in per_phase.items()) + ")")
+    late = sum((walks[b]["exit"] - entries[b]) / 1e3 for b in ctas) / len(ctas) - accounted
+    start = sum((entries[b] - t0) / 1e3 for b in ctas) / len(ctas)
+    out["end_wait_us"], out["late_entry_us"] = late, start
+    print(f"  waiting for the end marker {late:.1f} ({late / span:.0%}), entering after the first CTA {start:.1f} "
+          f"({start / span:.0%})")
+    return out
 
 
 def chain(kernels, t0) -> dict:
@@ -236,11 +278,12 @@ def main() -> None:
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=HERE)
     if proc.returncode != 0:
         sys.exit(proc.stderr[-3000:])
-    tiles, claims, entries, kernels, shape = parse(proc.stdout.splitlines())
+    tiles, claims, entries, kernels, shape, walks = parse(proc.stdout.splitlines())
     if not tiles:
         sys.exit("no MMTRACE lines: build with MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE (see the header)")
     print(f"{args.model} T={args.tokens}")
     out = summarize(tiles, claims, entries, shape)
+    out["walk"] = walk_totals(walks, entries)
     if kernels:
         out["chain"] = chain(kernels, min(c["claim"] for c in claims))
     if args.json:

@@ -55,8 +55,9 @@ def test_tile_trace_parses_clock_fields():
     old_p = "MMTRACE P 3 7 40 900 950"
     new_p = old_p + " 22000 45000"
     for c, p, cycles in ((old_c, old_p, None), (new_c, new_p, 35800)):
-        tiles, claims, entries, kernels, shape = trace.parse(
+        tiles, claims, entries, kernels, shape, walks = trace.parse(
             ["MMTRACE MARK", "MMTRACE E 3 7 800 100", p, c, "MMTRACE END", "MMTRACE SHAPE 4096 2048 6 256"])
+        assert walks == {}
         assert shape == (4096, 2048, 6, 256)
         assert len(tiles) == 1 and len(claims) == 1 and entries == {3: 800}
         tile = tiles[0]
@@ -66,3 +67,23 @@ def test_tile_trace_parses_clock_fields():
         assert tile["full_wait_cycles"] == (None if cycles is None else 1900)
         assert claims[0]["wait_cycles"] == (None if cycles is None else 22000)
         assert claims[0]["span_cycles"] == (None if cycles is None else 45000)
+
+
+def test_tile_trace_walk_totals():
+    """The whole-walk line: per gemm tiles and summed ns; the shares add up with the end-marker wait to the span."""
+    trace = load_tool("tile_trace")
+    lines = ["MMTRACE MARK", "MMTRACE E 0 5 1000 900", "MMTRACE E 1 6 3000 900",
+             "MMTRACE S 0 2 4000 20000 1000 1000 1000 1000 2000 1 1000 8000 600 200 0 0 200 41000",
+             "MMTRACE S 1 1 2000 10000 3000 0 0 0 0 0 0 0 0 0 0 0 0 21000", "MMTRACE END"]
+    *_, entries, _, _, walks = trace.parse(lines)
+    assert walks[0] == dict(l1=[2, 4000, 20000, 1000, 1000, 1000, 1000, 2000], l2=[1, 1000, 8000, 600, 200, 0, 0, 200],
+                            exit=41000)
+    out = trace.walk_totals(walks, entries)
+    assert out["span_us"] == 40.0 and out["ctas"] == 2
+    assert out["l1"]["tiles"] == 3 and out["l1"]["main_us"] == 15.0 and out["l1"]["per_tile_us"] == [2.0, 10.0, 3.0]
+    assert out["l2"]["tiles"] == 1 and out["l2"]["epilogue_us"] == 0.5
+    l1_phases = out["l1"]["epilogue_phases_per_tile_us"]
+    assert l1_phases == pytest.approx(dict(swiglu=4 / 3, amax=1 / 3, quantize=1 / 3, store=1 / 3, count=2 / 3))
+    assert out["l2"]["epilogue_phases_per_tile_us"] == pytest.approx(dict(stage=0.6, store=0.2, barrier=0.2))
+    # CTA 0: 40 µs after its entry, 40 accounted; CTA 1: 18 after its entry, 15 accounted -> 1.5 µs mean end wait
+    assert out["end_wait_us"] == 1.5 and out["late_entry_us"] == 1.0

@@ -101,6 +101,12 @@ struct TraceRecord {
   int consumer_n, info[kTraceTiles][4];
   unsigned long long entry, launch, t[kTraceTiles][3], e[kTraceTiles][4];
   long long c[kTraceTiles][2];
+  // The whole walk (every tile, not only the first kTraceTiles), per gemm: tiles, then ns summed over them from
+  // the previous tile's end (or the entry) to this tile's first full stage, in the main loop, in each epilogue
+  // phase (as e: L1 SwiGLU, amax, quantize, store, count; L2 stage, store, -, -, barrier); and when the consumers
+  // saw the end marker.
+  long long walk[2][8];
+  unsigned long long exit;
 };
 __device__ TraceRecord g_fp8_trace[kTraceMaxCtas];
 
@@ -111,6 +117,10 @@ __global__ void fp8_trace_print_kernel(int num_ctas) {
       printf("MMTRACE P %d %u %d %llu %llu %lld %lld\n", b, r.sm, r.tile[i], r.claim[i], r.issue[i], r.pwait[i],
              r.pspan[i]);
     printf("MMTRACE E %d %u %llu %llu\n", b, r.sm, r.entry, r.launch);
+    printf("MMTRACE S %d", b);
+    for (int g = 0; g < 2; ++g)
+      for (int j = 0; j < 8; ++j) printf(" %lld", r.walk[g][j]);
+    printf(" %llu\n", r.exit);
     for (int i = 0; i < r.consumer_n; ++i)
       printf("MMTRACE C %d %u %d %d %d %d %llu %llu %llu %llu %llu %llu %llu %lld %lld\n", b, r.sm, r.info[i][0],
              r.info[i][1], r.info[i][2], r.info[i][3], r.t[i][0], r.t[i][1], r.t[i][2], r.e[i][0], r.e[i][1], r.e[i][2],
@@ -476,8 +486,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // probes count cycles; the trace counts ns).
   int64_t trace_c[kTraceTiles][3];  // [2]: cycles the consumers waited for full stages in the main loop
   // Epilogue phases (L1: SwiGLU done, token amax shared, quantized, stored; L2: staged, stored).
+  long long walk[2][8] = {};  // TraceRecord::walk
+  uint64_t walk_mark = trace_entry;  // the previous tile's end, then this tile's first full stage, its later phases
+  int walk_g = 0;                    // the tile's gemm
   auto trace_epilogue = [&](int i) {
     if (ctid == 0 && trace_n < kTraceTiles) trace_e[trace_n][i] = ptx::globaltimer_ns();
+    if (ctid == 0) {
+      const uint64_t now = ptx::globaltimer_ns();
+      walk[walk_g][3 + i] += now - walk_mark, walk_mark = now;
+    }
   };
 #else
   auto trace_epilogue = [](int) {};
@@ -550,6 +567,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       trace_t[trace_n][0] = ptx::globaltimer_ns();  // first stage full
       trace_c[trace_n][0] = clock64(), trace_c[trace_n][2] = 0;
     }
+    if (ctid == 0) {
+      const uint64_t now = ptx::globaltimer_ns();
+      walk_g = is_l1 ? 0 : 1;
+      walk[walk_g][0] += 1, walk[walk_g][1] += now - walk_mark, walk_mark = now;
+    }
 #endif
 
     for (int kb = 0; kb < num_kblocks; ++kb) {
@@ -608,6 +630,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #ifdef MEGAMOE_TILE_TRACE
     if (ctid == 0 && trace_n < kTraceTiles)
       trace_t[trace_n][1] = ptx::globaltimer_ns(), trace_c[trace_n][1] = clock64();  // main loop done
+    if (ctid == 0) {
+      const uint64_t now = ptx::globaltimer_ns();
+      walk[walk_g][2] += now - walk_mark, walk_mark = now;
+    }
 #endif
     // ======================================================================== epilogue
     if constexpr (!kEarlyEpilogueInputs) load_epilogue_inputs();
@@ -694,6 +720,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
 #ifdef MEGAMOE_TILE_TRACE
     if (ctid == 0 && trace_n < kTraceTiles) trace_t[trace_n++][2] = ptx::globaltimer_ns();  // epilogue done
+    if (ctid == 0) {
+      const uint64_t now = ptx::globaltimer_ns();
+      walk[walk_g][7] += now - walk_mark, walk_mark = now;
+    }
 #endif
   }
   if constexpr (kPairs) ptx::cluster_sync();  // no multicast or remote arrival may reach an exited CTA
@@ -706,6 +736,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       for (int j = 0; j < 3; ++j) r.t[i][j] = trace_t[i][j];
       r.c[i][0] = trace_c[i][1] - trace_c[i][0], r.c[i][1] = trace_c[i][2];
     }
+    for (int g = 0; g < 2; ++g)
+      for (int j = 0; j < 8; ++j) r.walk[g][j] = walk[g][j];
+    r.exit = ptx::globaltimer_ns();  // the walk's tiles end at entry + the sums; the rest waited for the end marker
   }
 #endif
 #else
