@@ -365,8 +365,56 @@ __device__ __forceinline__ TileInfo decode_tile_warp(int tile, const int* tile_o
   return t;
 }
 
+// The epilogues' staging tiles in shared memory ([token][outputs], a row of 128 or 512 bytes per token): 16-byte
+// chunk c of token `col`'s row sits at chunk c ^ (col % 8) of that row; writers and readers both go through this.
+// NOTES: an accumulator fragment store gives a warp's lanes 4 token columns (lane % 4) x 8 consecutive outputs
+// (lane / 4); unswizzled, the 4 columns' rows (a multiple of 128 bytes apart) hit the same banks, a 4-way conflict
+// on every store. Swizzled, the 4 columns fall into 4 different chunks. The copy-out reads whole rows of chunks, so it
+// stays conflict-free.
+__host__ __device__ constexpr int staged_chunk(int col, int chunk) { return chunk ^ (col % 8); }
+// Element offset of output `row` of token `col` in a staging tile of kRowElems elements per token (16-byte chunks
+// of 16 / sizeof(T) elements).
+template <typename T, int kRowElems>
+__host__ __device__ constexpr int staged_offset(int col, int row) {
+  constexpr int kChunk = 16 / sizeof(T);
+  static_assert(kRowElems % (8 * kChunk) == 0, "the swizzle permutes 8 chunks");
+  return col * kRowElems + staged_chunk(col, row / kChunk) * kChunk + row % kChunk;
+}
+// The same for bf16 element i of an m64nN accumulator fragment (column 8 (i / 4) + 2 (lane % 4) + i % 2, row
+// first_row + lane / 4 + 8 ((i / 2) % 2), first_row a multiple of 16): base = staged_offset(2 (lane % 4), first_row +
+// lane / 4), then a constant per i. NOTES: first_row / 8 and 2 (lane % 4) are even and i's parts only set bit 0 of the
+// chunk, so the XOR splits; ptxas, computing the offsets per element, spilled 208 bytes in the fused FP8 kernel.
+template <int kRowElems>
+__host__ __device__ constexpr int staged_fragment_delta(int i) {
+  return (8 * (i / 4) + i % 2) * kRowElems + (((i / 2) % 2) ^ (i % 2)) * 8;
+}
+// Checked at compile time for every lane, warp, 64-row slice and fragment element of the tiles the kernels stage
+// (256 bf16 outputs per token, up to 64 tokens), against staged_offset; and that the 32 lanes' stores of one
+// fragment element touch no bank at two different words (no bank conflict).
+template <int kRowElems, int kCols>
+constexpr bool staged_fragment_delta_is_exact() {
+  for (int slice = 0; slice < kRowElems / 64; ++slice)
+    for (int warp = 0; warp < 4; ++warp)
+      for (int i = 0; i < kCols / 2; ++i) {
+        int bank_word[32] = {};  // word + 1 per bank (0: none yet)
+        for (int lane = 0; lane < 32; ++lane) {
+          const int first_row = slice * 64 + warp * 16, q = lane % 4;
+          const int col = 8 * (i / 4) + 2 * q + i % 2, row = first_row + lane / 4 + 8 * ((i / 2) % 2);
+          const int offset = staged_offset<__nv_bfloat16, kRowElems>(col, row);
+          if (staged_offset<__nv_bfloat16, kRowElems>(2 * q, first_row + lane / 4) + staged_fragment_delta<kRowElems>(i) !=
+              offset)
+            return false;
+          const int word = offset / 2, bank = word % 32;  // bf16 elements, 4-byte banks
+          if (bank_word[bank] != 0 && bank_word[bank] != word + 1) return false;  // two words in one bank: a conflict
+          bank_word[bank] = word + 1;
+        }
+      }
+  return true;
+}
+static_assert(staged_fragment_delta_is_exact<256, 64>(), "staged_fragment_delta or the swizzle is wrong");
+
 // L2 epilogue copy-out (both weight formats): the staged bf16 tile [block_m][256] of output features goes to
-// the combine area of each row's token owner at (token, slot): local stores, or NVLink stores for a peer. Two
+// the combine area of each row's token owner at (token, slot) (staged_offset's layout): local stores, or NVLink stores for a peer. Two
 // steps: load_combine_srcs takes the pool_src entries of the rows this thread stores (tile_src: the tile's entries,
 // rows [row0, row0 + rows)), store_combine_tile stores.
 // NOTES: each thread first loads the pool_src entries of all its rows, then stores: loads interleaved with
@@ -406,8 +454,11 @@ __device__ __forceinline__ void store_combine_tile(const int (&src)[combine_tile
     }
   }
 #pragma unroll
-  for (int it = 0; it < kIters; ++it)
-    if (dst[it] != nullptr) *dst[it] = reinterpret_cast<const uint4*>(out_tile)[tid + it * kThreads];
+  for (int it = 0; it < kIters; ++it) {
+    const int c = tid + it * kThreads, col = c / (kBlockN / 8);
+    if (dst[it] != nullptr)
+      *dst[it] = reinterpret_cast<const uint4*>(out_tile)[col * (kBlockN / 8) + staged_chunk(col, c % (kBlockN / 8))];
+  }
 }
 
 // L1 epilogue (both weight formats): per-token amax over this warp's 16 rows of an m64nN accumulator

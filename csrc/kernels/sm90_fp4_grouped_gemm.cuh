@@ -793,8 +793,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
               c0 = static_cast<uint8_t>(e2m1_code(acc_gate[i0] / scale));
               c1 = static_cast<uint8_t>(e2m1_code(acc_gate[i0 + 2] / scale));
             }
-            out_tile[col * 128 + out] = c0;
-            out_tile[col * 128 + out + 8] = c1;
+            out_tile[staged_offset<uint8_t, 128>(col, out)] = c0;
+            out_tile[staged_offset<uint8_t, 128>(col, out + 8)] = c1;
             if (warp % 2 == 0 && lane < 4 && col < t.rows)
               pool_sf[int64_t(blk) * l.pool_rows + t.row0 + col] = ue8m0_bits(scale);
           }
@@ -806,14 +806,15 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             const int col = c / 8, part = c % 8;
             if (col < t.rows)
               *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter + t.n_block * 128 +
-                                        part * 16) = reinterpret_cast<const uint4*>(out_tile)[c];
+                                        part * 16) = reinterpret_cast<const uint4*>(out_tile)[col * 8 + staged_chunk(col, part)];
           }
         } else {
           // Pack: 8 codes -> 4 bytes (low nibble first); 16 x 4 bytes per token row.
           for (int c = ctid; c < kBlockM * 16; c += kNumConsumerThreads) {
             const int col = c / 16, part = c % 16;
             if (col < t.rows) {
-              const uint2 codes = reinterpret_cast<const uint2*>(out_tile)[c];
+              const uint2 codes =
+                  reinterpret_cast<const uint2*>(out_tile)[col * 16 + staged_chunk(col, part / 2) * 2 + part % 2];
               uint32_t packed = 0;
 #pragma unroll
               for (int b = 0; b < 4; ++b) {
@@ -831,14 +832,14 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       // L2: bf16 rows into the combine area of the token's rank at (token, slot) (NVLink stores for a peer).
       __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epi);  // [kBlockM][256]
 #pragma unroll
-      for (int ls = 0; ls < kSlices; ++ls)
+      for (int ls = 0; ls < kSlices; ++ls) {
+        const int base = staged_offset<__nv_bfloat16, kBlockN>(2 * q, (kSlices * consumer + ls) * 64 + quad_row);
 #pragma unroll
         for (int i = 0; i < kRegs; ++i) {
           const int j = (i / 4) * 2 + (i % 2);
-          const int col = 8 * (i / 4) + 2 * q + (i % 2);
-          const int row = (kSlices * consumer + ls) * 64 + quad_row + ((i / 2) % 2) * 8;
-          out_tile[col * kBlockN + row] = __float2bfloat16_rn(acc[ls][i] * col_f[j]);
+          out_tile[base + staged_fragment_delta<kBlockN>(i)] = __float2bfloat16_rn(acc[ls][i] * col_f[j]);
         }
+      }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       if constexpr (!kEarlyEpilogueInputs) load_row_inputs(t);
       store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(src, out_tile, p.buffer, l, t.n_block, p.n, ctid);

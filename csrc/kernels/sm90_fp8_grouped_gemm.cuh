@@ -675,10 +675,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const float v01 = p.fast_math ? acc0[i0 + 2] * inv.x : acc0[i0 + 2] / scale.x;
         const float v10 = p.fast_math ? acc0[i0 + 1] * inv.y : acc0[i0 + 1] / scale.y;
         const float v11 = p.fast_math ? acc0[i0 + 3] * inv.y : acc0[i0 + 3] / scale.y;
-        out_tile[col * 128 + out] = to_fp8(v00);
-        out_tile[col * 128 + out + 8] = to_fp8(v01);
-        out_tile[(col + 1) * 128 + out] = to_fp8(v10);
-        out_tile[(col + 1) * 128 + out + 8] = to_fp8(v11);
+        out_tile[staged_offset<uint8_t, 128>(col, out)] = to_fp8(v00);
+        out_tile[staged_offset<uint8_t, 128>(col, out + 8)] = to_fp8(v01);
+        out_tile[staged_offset<uint8_t, 128>(col + 1, out)] = to_fp8(v10);
+        out_tile[staged_offset<uint8_t, 128>(col + 1, out + 8)] = to_fp8(v11);
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       trace_epilogue(2);
@@ -688,7 +688,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         const int col = c / 8, part = c % 8;
         if (col < t.rows)
           *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter + t.n_block * 128 +
-                                    part * 16) = reinterpret_cast<const uint4*>(out_tile)[c];
+                                    part * 16) = reinterpret_cast<const uint4*>(out_tile)[col * 8 + staged_chunk(col, part)];
       }
       if constexpr (kFused) ptx::fence_proxy_async_global();  // this thread's pool stores, read by L2's TMA
       ptx::named_barrier_sync(1, kNumConsumerThreads);
@@ -705,12 +705,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     } else {
       // L2: bf16 rows into the combine area of the token's rank at (token, slot) (NVLink stores for a peer).
       __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epilogue);  // [kBlockM][256]
+      const int base = staged_offset<__nv_bfloat16, kBlockN>(2 * (lane % 4), consumer * 128 + quad_row);
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) {
-        const int col = 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-        const int row = consumer * 128 + quad_row + ((i / 2) % 2) * 8;
-        out_tile[col * kBlockN + row] = __float2bfloat16_rn(acc0[i]);
-        out_tile[col * kBlockN + row + 64] = __float2bfloat16_rn(acc1[i]);
+      for (int i = 0; i < kRegs; ++i) {  // acc1: 64 rows on, 8 chunks (the swizzle keeps bit 3 of the chunk)
+        out_tile[base + staged_fragment_delta<kBlockN>(i)] = __float2bfloat16_rn(acc0[i]);
+        out_tile[base + staged_fragment_delta<kBlockN>(i) + 64] = __float2bfloat16_rn(acc1[i]);
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       trace_epilogue(0);
