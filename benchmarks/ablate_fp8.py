@@ -62,8 +62,8 @@ PATCHES = {
     # The consumers go from one tile's main loop straight to the next (timing only): no epilogue, but each fused L1
     # tile is still counted for its expert (its L2 tiles wait for the count) and the accumulators stay live.
     "no-epilogue": [
-        ("    if constexpr (!kEarlyEpilogueInputs) load_epilogue_inputs();\n    if (is_l1) {",
-         "    if constexpr (!kEarlyEpilogueInputs) load_epilogue_inputs();\n"
+        ("      bulk_pending = false;\n    }\n    if (is_l1) {",
+         "      bulk_pending = false;\n    }\n"
          "    if (true) {\n"
          "#pragma unroll\n"
          "      for (int i = 0; i < kRegs; ++i) asm volatile(\"\" ::\"f\"(acc0[i]), \"f\"(acc1[i]));\n"

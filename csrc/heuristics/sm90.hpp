@@ -21,11 +21,14 @@ struct GroupedGemmConfig {
 // Shared memory one stage takes: 256 x 128 weight bytes + block_m x 128 token bytes.
 constexpr int stage_bytes(int block_m) { return 256 * 128 + block_m * 128; }
 
-// Deepest TMA pipeline that fits beside the largest epilogue (L2: block_m x 256 bf16) in the 227 KB a
+// The L2 epilogue's staged row per token: 256 bf16 outputs + 16 bytes (no bank conflicts, rows stay contiguous).
+constexpr int kStagedL2RowBytes = 256 * 2 + 16;
+// Deepest TMA pipeline that fits beside the largest epilogue (L2: block_m staged rows) in the 227 KB a
 // block may use (minus alignment slack and barriers): 6, 5 and 4 stages for block_m 16, 32 and 64.
 constexpr int num_stages_for(int block_m) {
-  return (227 * 1024 - 2048 - block_m * 256 * 2) / stage_bytes(block_m);
+  return (227 * 1024 - 2048 - block_m * kStagedL2RowBytes) / stage_bytes(block_m);
 }
+static_assert(num_stages_for(16) == 6 && num_stages_for(32) == 5 && num_stages_for(64) == 4, "stage counts");
 
 inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
                                              int64_t intermediate, int64_t num_ranks = 1) {

@@ -461,6 +461,21 @@ __device__ __forceinline__ void store_combine_tile(const int (&src)[combine_tile
   }
 }
 
+// L2 epilogue copy-out by bulk copies (FP8 kernel): the row of token column `col` of a staged bf16 tile (row_smem:
+// kBlockN outputs, 16-byte aligned) to the combine area of its token owner at (token, slot) = src (pool_src entry;
+// < 0: none), as store_combine_tile places it; one bulk async-group per row, committed by the calling thread, which
+// must wait for it (ptx::bulk_wait_group_read) before the row is overwritten.
+template <int kBlockN>
+__device__ __forceinline__ void bulk_store_combine_row(int src, const void* row_smem, uint8_t* buffer,
+                                                       const layout::BufferLayout& l, int n_block, int n) {
+  if (src < 0) return;
+  const int rank_slots = static_cast<int>(l.max_tokens_per_rank * l.top_k), src_rank = src / rank_slots;
+  auto* combine = reinterpret_cast<__nv_bfloat16*>(peer_buffer(buffer, l, src_rank) + l.combine_offset);
+  const int cols = min(kBlockN, n - n_block * kBlockN);  // n: a multiple of 128
+  ptx::bulk_store(combine + int64_t(src - src_rank * rank_slots) * l.hidden + n_block * kBlockN, row_smem, cols * 2);
+  ptx::bulk_commit_group();
+}
+
 // L1 epilogue (both weight formats): per-token amax over this warp's 16 rows of an m64nN accumulator
 // fragment (registers, then the lanes sharing a column: xor 4, 8, 16); lanes 0-3 store it, one float per
 // token column, at out[col].
