@@ -58,7 +58,11 @@ constexpr int kStages = 4, kBlockK = 128;
 // kNoise (in smem only): the producer warp also issues kNoise independent integer instructions per stage (four
 // chains), standing in for the kernel's producer, whose per-stage path is ~200 instructions on the SM sub-partition
 // it shares with one warp of each consumer warpgroup (ncu, 2026-11-25).
-template <int kN, int kSlices, bool kPromote, bool kCopy, bool kPair = false, bool kScales = false, int kNoise = 0>
+// kOnePart (n128 with 2 slices: the 256 x 128 tile, 48 KB and 2^22 MACs per stage): one partial accumulator per
+// warpgroup (64 registers beside the tile's 128), each slice's wgmmas promoted before the next slice's issue; the
+// other warpgroup's wgmmas are meant to cover each promotion (two partials would need 256 registers).
+template <int kN, int kSlices, bool kPromote, bool kCopy, bool kPair = false, bool kScales = false, int kNoise = 0,
+          bool kOnePart = false>
 __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t wrap_bytes, int iters,
                                                      int64_t* cycles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -148,7 +152,7 @@ __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t
   };
   const int consumer = warpgroup - 1;
   const uint32_t lo = ptx::smem_desc_sw128_lo(smem);
-  float acc[kSlices][kRegs], part[kSlices][kRegs];
+  float acc[kSlices][kRegs], part[kOnePart ? 1 : kSlices][kRegs];
 #pragma unroll
   for (int sl = 0; sl < kSlices; ++sl)
 #pragma unroll
@@ -160,6 +164,27 @@ __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t
     if (it == 1) start = clock64();  // after the first stage: the fill and launch are not timed
     const uint32_t a_lo = lo + (s * kStageBytes + consumer * kSlices * kSliceBytes) / 16;
     const uint32_t b_lo = lo + (s * kStageBytes + kABytes) / 16;
+    if constexpr (kOnePart) {
+      static_assert(kPromote && kSlices == 2, "one partial: the promoted two-slice tile");
+#pragma unroll
+      for (int sl = 0; sl < kSlices; ++sl) {
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[0][i]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kBlockK / 32; ++ks)
+          Mma::run(part[0], ptx::smem_desc_sw128(a_lo + (sl * kSliceBytes + ks * 32) / 16),
+                   ptx::smem_desc_sw128(b_lo + ks * 2), ks > 0);
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[0][i]);
+        if (sl == kSlices - 1) release(s);
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) acc[sl][i] += part[0][i] * scale;
+      }
+      continue;
+    }
     ptx::wgmma_fence();
 #pragma unroll
     for (int sl = 0; sl < kSlices; ++sl) {
@@ -208,11 +233,12 @@ __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t
 #endif
 }
 
-template <int kN, int kSlices, bool kPromote, bool kCopy, bool kPair = false, bool kScales = false, int kNoise = 0>
+template <int kN, int kSlices, bool kPromote, bool kCopy, bool kPair = false, bool kScales = false, int kNoise = 0,
+          bool kOnePart = false>
 void launch(const torch::Tensor& src, int64_t wrap_bytes, int64_t ctas, int64_t iters, torch::Tensor& cycles) {
   constexpr int kStageBytes = 2 * kSlices * 64 * kBlockK + kN * kBlockK;
   constexpr int kSmem = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kStages * 68 * 4;
-  auto kernel = mma_kernel<kN, kSlices, kPromote, kCopy, kPair, kScales, kNoise>;
+  auto kernel = mma_kernel<kN, kSlices, kPromote, kCopy, kPair, kScales, kNoise, kOnePart>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(kPair ? ctas / 2 * 2 : ctas));
@@ -233,7 +259,7 @@ void launch(const torch::Tensor& src, int64_t wrap_bytes, int64_t ctas, int64_t 
   TORCH_CHECK(err == cudaSuccess, "mma_kernel: ", cudaGetErrorString(err));
 }
 
-// shape 0: n64 (2 slices), 1: n128 (1 slice); copy: 0 none, 1 bulk copy per stage from src (wrap_bytes per CTA);
+// shape 0: n64 (2 slices), 1: n128 (1 slice), 2: n128 with 2 slices and one partial (promotion only); copy: 0 none, 1 bulk copy per stage from src (wrap_bytes per CTA);
 // pair: CTA pairs multicasting A; scales: the kernel's per-stage scale cp.asyncs (both n64 with promotion and copies).
 void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool pair, bool scales, int64_t noise,
          int64_t wrap_bytes, int64_t ctas, int64_t iters, torch::Tensor cycles) {
@@ -250,6 +276,11 @@ void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool 
     if (pair) return launch<64, 2, true, true, true>(src, wrap_bytes, ctas, iters, cycles);
     return launch<64, 2, true, true, false, true>(src, wrap_bytes, ctas, iters, cycles);
   }
+  if (shape == 2) {
+    TORCH_CHECK(promote, "mma: shape 2 is the promoted 256 x 128 tile");
+    if (copy) return launch<128, 2, true, true, false, false, 0, true>(src, wrap_bytes, ctas, iters, cycles);
+    return launch<128, 2, true, false, false, false, 0, true>(src, wrap_bytes, ctas, iters, cycles);
+  }
 #define MEGAMOE_PROBE_CASE(N, SL, P, C) \
   if (shape == (N == 128) && promote == P && copy == C) return launch<N, SL, P, C>(src, wrap_bytes, ctas, iters, cycles);
   MEGAMOE_PROBE_CASE(64, 2, true, true) MEGAMOE_PROBE_CASE(64, 2, true, false)
@@ -264,7 +295,7 @@ void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool 
 CPP_SRC = ("void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool pair, bool scales, int64_t noise, "
            "int64_t wrap_bytes, int64_t ctas, int64_t iters, torch::Tensor cycles);")
 
-MACS_PER_STAGE = 2 * 2 * 64 * 64 * 128  # both shapes
+MACS_PER_STAGE = 2 * 2 * 64 * 64 * 128  # n64 and n128; the 256 x 128 tile (shape 2) has twice as many
 PEAK_MACS_PER_CYCLE = 4096  # dense FP8 per SM (H100: 1979 TFLOP/s at 1.83 GHz over 132 SMs)
 
 
@@ -272,6 +303,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--iters", type=int, default=4000, help="stages per CTA and launch")
+    ap.add_argument("--tile-only", action="store_true",
+                    help="only the 256 x 128 tile (one partial) beside n64, promoted, each data source")
     ap.add_argument("--noise-only", action="store_true",
                     help="only the producer-noise rows (n64, promotion, in smem: 0, 100, 200, 400 instructions)")
     args = ap.parse_args()
@@ -287,7 +320,8 @@ def main():
     src.random_(0, 256)
     cycles = torch.zeros(sms, dtype=torch.int64, device="cuda")
     rows = []
-    print(f"{props.name}: {sms} SMs; cycles per 128-K stage of 2^21 MACs (ideal {MACS_PER_STAGE // PEAK_MACS_PER_CYCLE})")
+    print(f"{props.name}: {sms} SMs; cycles per 128-K stage of 2^21 MACs (ideal {MACS_PER_STAGE // PEAK_MACS_PER_CYCLE}; "
+          f"the 256x128 tile: 2^22, ideal {2 * MACS_PER_STAGE // PEAK_MACS_PER_CYCLE})")
     print(f"{'shape':12} {'promote':7} {'data':13} {'SMs':>4} {'cycles/stage':>12} {'of peak':>7} {'µs/stage':>8} "
           f"{'TFLOP/s':>8}")
     cases = [(shape, name, promote, data, wrap, False, False, 0) for shape, name in ((0, "n64"), (1, "n128"))
@@ -297,7 +331,9 @@ def main():
               for pair, scales in ((True, False), (False, True), (True, True))
               for data, wrap in (("copy from L2", 128 << 10), ("copy from HBM", big))]
     noise_cases = [(0, f"n64 noise{noise}", True, "in smem", 0, False, False, noise) for noise in (0, 100, 200, 400)]
-    cases = noise_cases if args.noise_only else cases + noise_cases[1:]
+    tile_cases = [(shape, name, True, data, wrap, False, False, 0) for shape, name in ((0, "n64"), (2, "256x128 1p"))
+                  for data, wrap in (("in smem", 0), ("copy from L2", 128 << 10), ("copy from HBM", big))]
+    cases = noise_cases if args.noise_only else tile_cases if args.tile_only else cases + tile_cases[3:] + noise_cases[1:]
     for shape, name, promote, data, wrap, pair, scales, noise in cases:
         for n in ((2, sms) if pair else (1, sms)):  # a pair needs two SMs
             def call():
@@ -305,9 +341,11 @@ def main():
 
             us = bu.time_events(call, iters=10, flush=False)
             cyc = cycles[:n].double().median().item() / (args.iters - 1)
-            tflops = 2 * MACS_PER_STAGE * args.iters * n / us / 1e6
+            macs = MACS_PER_STAGE * (2 if shape == 2 else 1)
+            tflops = 2 * macs * args.iters * n / us / 1e6
             row = dict(shape=name, promote=promote, data=data, pair=pair, scales=scales, noise=noise, sms=n,
-                       cycles_per_stage=round(cyc, 1), of_peak=round(MACS_PER_STAGE / PEAK_MACS_PER_CYCLE / cyc, 3),
+                       macs_per_stage=macs, cycles_per_stage=round(cyc, 1),
+                       of_peak=round(macs / PEAK_MACS_PER_CYCLE / cyc, 3),
                        us_per_stage=round(us / args.iters, 4), tflops=round(tflops, 1))
             rows.append(row)
             print(f"{name:12} {str(promote):7} {data:13} {n:4d} {cyc:12.1f} {row['of_peak']:7.3f} "

@@ -130,7 +130,7 @@ def walk_totals(walks, entries) -> dict:
         parts = [sum(walks[b][name][j] for b in ctas) / 1e3 for j in (1, 2)] + [sum(phases)]
         per_cta = [v / len(ctas) for v in parts]
         accounted += sum(per_cta)
-        names = ("swiglu", "amax", "quantize", "store", "count") if name == "l1" else ("stage", "store", "barrier")
+        names = ("swiglu", "amax", "quantize", "store", "count") if name == "l1" else ("stage", "copy-out", "rest")
         per_phase = [v / n for v in phases]
         per_phase = dict(zip(names, per_phase if name == "l1" else per_phase[:2] + per_phase[4:]))
         out[name] = dict(tiles=n, to_first_full_us=per_cta[0], main_us=per_cta[1], epilogue_us=per_cta[2],
@@ -191,8 +191,8 @@ def summarize(tiles, claims, entries, shape) -> dict:
                    main_us_max=max(main), epilogue_us_median=statistics.median(epi),
                    gbps_per_tile_median=statistics.median(rate))
         # Epilogue phases (µs each, medians): L1 SwiGLU, token amax shared, quantized, stored, counted (fused);
-        # L2 staged, stored, barrier.
-        names = ("swiglu", "amax", "quantize", "store", "count") if gemm == 0 else ("stage", "store", "barrier")
+        # L2 staged, copies issued (FP8: bulk copies, not waited for), the rest.
+        names = ("swiglu", "amax", "quantize", "store", "count") if gemm == 0 else ("stage", "copy-out", "rest")
         marks = lambda t: [t["main_end"]] + t["epilogue"][:len(names) - 1] + [t["end"]]  # noqa: E731
         row["epilogue_phases_us"] = {n: statistics.median((marks(t)[j + 1] - marks(t)[j]) / 1e3 for t in ts)
                                      for j, n in enumerate(names)}

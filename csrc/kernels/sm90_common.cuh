@@ -365,8 +365,10 @@ __device__ __forceinline__ TileInfo decode_tile_warp(int tile, const int* tile_o
   return t;
 }
 
-// The epilogues' staging tiles in shared memory ([token][outputs], a row of 128 or 512 bytes per token): 16-byte
-// chunk c of token `col`'s row sits at chunk c ^ (col % 8) of that row; writers and readers both go through this.
+// The epilogues' staging tiles in shared memory ([token][outputs], a row of 128 or 512 bytes per token: the FP8 and
+// FP4 L1 E4M3 / E2M1 codes, the FP4 L2 bf16 outputs): 16-byte chunk c of token `col`'s row sits at chunk c ^ (col % 8)
+// of that row; writers and readers both go through this. (The FP8 L2 stage pads its rows instead: its bulk copies
+// need each row contiguous.)
 // NOTES: an accumulator fragment store gives a warp's lanes 4 token columns (lane % 4) x 8 consecutive outputs
 // (lane / 4); unswizzled, the 4 columns' rows (a multiple of 128 bytes apart) hit the same banks, a 4-way conflict
 // on every store. Swizzled, the 4 columns fall into 4 different chunks. The copy-out reads whole rows of chunks, so it
@@ -388,8 +390,8 @@ template <int kRowElems>
 __host__ __device__ constexpr int staged_fragment_delta(int i) {
   return (8 * (i / 4) + i % 2) * kRowElems + (((i / 2) % 2) ^ (i % 2)) * 8;
 }
-// Checked at compile time for every lane, warp, 64-row slice and fragment element of the tiles the kernels stage
-// (256 bf16 outputs per token, up to 64 tokens), against staged_offset; and that the 32 lanes' stores of one
+// Checked at compile time for every lane, warp, 64-row slice and fragment element of the FP4 L2 stage (256 bf16
+// outputs per token, up to 64 tokens), against staged_offset; and that the 32 lanes' stores of one
 // fragment element touch no bank at two different words (no bank conflict).
 template <int kRowElems, int kCols>
 constexpr bool staged_fragment_delta_is_exact() {
@@ -413,14 +415,15 @@ constexpr bool staged_fragment_delta_is_exact() {
 }
 static_assert(staged_fragment_delta_is_exact<256, 64>(), "staged_fragment_delta or the swizzle is wrong");
 
-// L2 epilogue copy-out (both weight formats): the staged bf16 tile [block_m][256] of output features goes to
+// L2 epilogue copy-out of the FP4 kernel (the FP8 kernel: bulk_store_combine_row below): the staged bf16 tile
+// [block_m][256] of output features goes to
 // the combine area of each row's token owner at (token, slot) (staged_offset's layout): local stores, or NVLink stores for a peer. Two
 // steps: load_combine_srcs takes the pool_src entries of the rows this thread stores (tile_src: the tile's entries,
 // rows [row0, row0 + rows)), store_combine_tile stores.
 // NOTES: each thread first loads the pool_src entries of all its rows, then stores: loads interleaved with
 // the stores could not be hoisted past them (the stores may alias), so each of the kIters iterations waited
 // for its own L2 round trip. ncu (H100, V4-Flash T=8192, 2026-11-23): 12 % of the L2 kernel's stall
-// samples sat on that wait. The FP8 and FP4 kernels load them at the tile's start at decode.
+// samples sat on that wait. The FP4 kernel loads them at the tile's start at decode.
 template <int kBlockM, int kBlockN, int kThreads>
 constexpr int combine_tile_iters() {
   return (kBlockM * (kBlockN / 8) + kThreads - 1) / kThreads;  // 16-byte chunks of the tile per thread

@@ -105,8 +105,8 @@ struct TraceRecord {
   long long c[kTraceTiles][2];
   // The whole walk (every tile, not only the first kTraceTiles), per gemm: tiles, then ns summed over them from
   // the previous tile's end (or the entry) to this tile's first full stage, in the main loop, in each epilogue
-  // phase (as e: L1 SwiGLU, amax, quantize, store, count; L2 stage, store, -, -, barrier); and when the consumers
-  // saw the end marker.
+  // phase (as e: L1 SwiGLU, amax, quantize, store, count; L2 stage, copies issued, -, -, rest; the wait for the last
+  // L2 tile's copies counts in the next tile's first phase); and when the consumers saw the end marker.
   long long walk[2][8];
   unsigned long long exit;
 };
@@ -487,7 +487,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // SM clock at the main loop's start and end: cycles over the global timer's ns give the SM clock in situ (the
   // probes count cycles; the trace counts ns).
   int64_t trace_c[kTraceTiles][3];  // [2]: cycles the consumers waited for full stages in the main loop
-  // Epilogue phases (L1: SwiGLU done, token amax shared, quantized, stored; L2: staged, stored).
+  // Epilogue phases (L1: SwiGLU done, token amax shared, quantized, stored; L2: staged, copies issued).
   long long walk[2][8] = {};  // TraceRecord::walk
   uint64_t walk_mark = trace_entry;  // the previous tile's end, then this tile's first full stage, its later phases
   int walk_g = 0;                    // the tile's gemm
@@ -539,7 +539,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const bool valid0 = first_row < n, valid1 = first_row + 64 < n;
 
     // The epilogue's inputs from earlier kernels (final: the consumers waited for them at their start): L1 the rows'
-    // top-k weights, L2 the rows' pool_src entries. At decode (block_m 16: at most 4 + 2 registers) they load when
+    // top-k weights, L2 the rows' pool_src entries. At decode (block_m 16: at most 4 + 1 registers) they load when
     // the tile starts, so the epilogue does not wait for them; wider tiles load them in the epilogue (registers).
     // NOTES: tile trace (H100, 2026-11-24): the load cost the L1 epilogue ~0.9 µs at block_m 16, and at decode the
     // last L1 tiles' epilogues gate their expert's L2 tiles.
