@@ -61,14 +61,21 @@ def run(seed, num_experts, blocks, nb1, nb2, kb1, kb2, stages, ctas, grid_delay,
     def slot_free(x, seq):
         return seq - x.cons_seq < stages  # the slot's previous stage (seq - stages) is released
 
-    def end_stage(x, p, marks_end):
-        # One more stage, no data: a producer warp's arrivals (the weight producer also writes the end marker).
+    def next_stage(x, p):
+        """Producer warp p's next stage once its slot is free (else None): the record, with p's arrivals counted."""
         if not slot_free(x, p["seq"]):
-            return False
+            return None
         st = record(x, p["seq"])
-        st["end"] |= marks_end
         st["arrivals"] += ARRIVALS // 2
         p["seq"] += 1
+        return st
+
+    def end_stage(x, p, marks_end):
+        # One more stage, no data: a producer warp's arrivals (the weight producer also writes the end marker).
+        st = next_stage(x, p)
+        if st is None:
+            return False
+        st["end"] |= marks_end
         p["done"] = True
         return True
 
@@ -96,13 +103,11 @@ def run(seed, num_experts, blocks, nb1, nb2, kb1, kb2, stages, ctas, grid_delay,
         if p["kb"] == nk(t):
             p["state"] = "claim"
             return True
-        if not slot_free(x, p["seq"]):
+        st = next_stage(x, p)
+        if st is None:
             return False
-        st = record(x, p["seq"])
         st["tile"], st["kb"] = t, p["kb"]
-        st["arrivals"] += ARRIVALS // 2
         st["bytes_at"].append(g["now"] + rnd.randint(1, 8))  # weight tile and scales
-        p["seq"] += 1
         p["kb"] += 1
         return True
 
@@ -133,15 +138,13 @@ def run(seed, num_experts, blocks, nb1, nb2, kb1, kb2, stages, ctas, grid_delay,
         if p["kb"] == nk(t):
             p["state"] = "take"
             return True
-        if not slot_free(x, p["seq"]):
+        st = next_stage(x, p)
+        if st is None:
             return False
         if t[0] == "L2":
             assert l1_done(t[1]), ("L2 token part before its expert's L1", t)
-        st = record(x, p["seq"])
         st["tok_tile"] = (t, p["kb"])
-        st["arrivals"] += ARRIVALS // 2
         st["bytes_at"].append(g["now"] + rnd.randint(1, 8))  # token tile and scales
-        p["seq"] += 1
         p["kb"] += 1
         return True
 
