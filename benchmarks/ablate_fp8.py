@@ -50,14 +50,14 @@ PATCHES = {
     # The consumers' promotion (timing only): without the weight-scale products (32 FMUL per stage fewer), or
     # without any scaling (partials added as they are: the scale loads and products go).
     "no-ws-mul": [
-        ("acc0[i] += part0[i] * (ws0 * col_sf[(i / 4) * 2 + (i % 2)]);",
-         "acc0[i] += part0[i] * col_sf[(i / 4) * 2 + (i % 2)];"),
-        ("acc1[i] += part1[i] * (ws1 * col_sf[(i / 4) * 2 + (i % 2)]);",
-         "acc1[i] += part1[i] * col_sf[(i / 4) * 2 + (i % 2)];"),
+        ("acc0[i] = __fmaf_rn(part0[i], ws0 * col_sf[(i / 4) * 2 + (i % 2)], acc0[i]);",
+         "acc0[i] = __fmaf_rn(part0[i], col_sf[(i / 4) * 2 + (i % 2)], acc0[i]);"),
+        ("acc1[i] = __fmaf_rn(part1[i], ws1 * col_sf[(i / 4) * 2 + (i % 2)], acc1[i]);",
+         "acc1[i] = __fmaf_rn(part1[i], col_sf[(i / 4) * 2 + (i % 2)], acc1[i]);"),
     ],
     "no-scaling": [
-        ("acc0[i] += part0[i] * (ws0 * col_sf[(i / 4) * 2 + (i % 2)]);", "acc0[i] += part0[i];"),
-        ("acc1[i] += part1[i] * (ws1 * col_sf[(i / 4) * 2 + (i % 2)]);", "acc1[i] += part1[i];"),
+        ("acc0[i] = __fmaf_rn(part0[i], ws0 * col_sf[(i / 4) * 2 + (i % 2)], acc0[i]);", "acc0[i] += part0[i];"),
+        ("acc1[i] = __fmaf_rn(part1[i], ws1 * col_sf[(i / 4) * 2 + (i % 2)], acc1[i]);", "acc1[i] += part1[i];"),
     ],
     # The consumers go from one tile's main loop straight to the next (timing only): no epilogue, but each fused L1
     # tile is still counted for its expert (its L2 tiles wait for the count) and the accumulators stay live.

@@ -250,7 +250,7 @@ def gemm_block_m(num_tokens, top_k, num_experts):
     """The grouped GEMM's token block (csrc/heuristics/sm90.hpp: rows per touched expert)."""
     slots = num_tokens * top_k
     rows = 1 if slots <= num_experts else -(-slots // num_experts)
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128 if rows <= 112 else 64
 
 
 def routing_blocks(case, block_m):
@@ -358,6 +358,41 @@ def skew_rows(case, rows_per_expert):
     case.ref = case.reference(topk_idx=idx)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_launches"])
+@pytest.mark.parametrize("case_args", [(8, 256, 384, 1, 779, (1, 64, 65, 128, 129, 192, 200, 0)),
+                                       (5, 384, 256, 2, 333, (300, 0, 33, 0, 0)),
+                                       (256, 4096, 2048, 6, 2048, ())],
+                         ids=lambda a: "E{}H{}I{}K{}T{}".format(*a[:5]))
+def test_block_m_128_equals_64(case_args, fused, fused_env, monkeypatch):
+    """The 256 x 128 tile (block_m 128: one partial accumulator; an expert's last block of at most 64 rows on m64n64
+    wgmmas) computes every output with the 256 x 64 tile's arithmetic: bitwise equal outputs and recv_stats on
+    poisoned pools, in the fused launch and in two launches. Rows per expert cover 1, 64, 65, 128, 129, 192, 200
+    and empty experts, hidden 384 (the last L2 tile's upper half lies past the expert's rows) and V4-Flash at
+    T=2048 (48 rows per expert: mostly tail blocks). Routing counted 128-row blocks; the fused walk counted every
+    real block's L1 tiles."""
+    e, h, i, k, t, rows = case_args
+    if e >= 256:
+        release_gpu_memory()
+    case = make_case(e, h, i, k, t, device="cuda", masked_fraction=0.1, seed=t + e + 11)
+    if rows:
+        skew_rows(case, rows)
+    fused_env(fused)
+    l1_nblocks = (2 * i + 255) // 256
+    outs, stats = [], []
+    for block_m in (64, 128):
+        monkeypatch.setenv("MEGAMOE_FP8_BLOCK_M", str(block_m))
+        stats.append(torch.zeros(e, dtype=torch.int32, device="cuda"))
+        poison_outputs(case.buffer)
+        outs.append(run_poisoned(case, recv_stats=stats[-1]))
+        tile_offset = case.buffer.view("tile_offset", (e + 1,), torch.int32).tolist()
+        assert tile_offset[e] == sum(routing_blocks(case, block_m)) > 0
+        if fused:
+            assert sched_words(case)[1:] == expected_l1_counts(case, l1_nblocks, block_m)
+    assert torch.equal(outs[1], outs[0])
+    assert torch.equal(stats[1], stats[0])
+    assert rel_err(outs[1], case.ref) <= TOL
+
+
 @pytest.mark.parametrize("case_args", [(8, 256, 384, 1, 779, (1, 64, 65, 128, 129, 192, 200, 0)),
                                        (5, 384, 256, 2, 333, (300, 0, 33, 0, 0)),
                                        (16, 640, 896, 8, 300, ()),
@@ -379,7 +414,6 @@ def test_pair_walk_equals_unpaired(case_args, monkeypatch):
     case = make_case(e, h, i, k, t, device="cuda", masked_fraction=0.1, seed=t + e + 7)
     if rows:
         skew_rows(case, rows)
-    assert gemm_block_m(t, k, e) == 64  # the pair walk needs 64-row token blocks
     stats = [torch.zeros(e, dtype=torch.int32, device="cuda") for _ in range(3)]
     outs = []
     for n, setting in enumerate(("0", "1", None)):
@@ -390,7 +424,8 @@ def test_pair_walk_equals_unpaired(case_args, monkeypatch):
         poison_outputs(case.buffer)
         outs.append(run_poisoned(case, recv_stats=stats[n]))
         tile_offset = case.buffer.view("tile_offset", (e + 1,), torch.int32).tolist()
-        assert tile_offset[e] == sum(routing_blocks(case, 128 if setting == "1" else 64))
+        # The pair walk: 128-row blocks (pairs of 64); unpaired: the default's blocks (64 or 128 rows).
+        assert tile_offset[e] == sum(routing_blocks(case, 128 if setting == "1" else gemm_block_m(t, k, e)))
         if setting == "1":
             words = sched_words(case)
             l1_nblocks, l2_nblocks = (2 * i + 255) // 256, (h + 255) // 256

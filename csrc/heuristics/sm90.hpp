@@ -11,7 +11,7 @@
 namespace megamoe::heuristics {
 
 struct GroupedGemmConfig {
-  int block_m;         // tokens per tile (the wgmma N dimension): 16, 32 or 64
+  int block_m;         // tokens per tile (the wgmma N dimension): 16, 32, 64 or (FP8) 128
   int num_stages;      // TMA pipeline depth
   bool fused = false;  // FP8: L1 and L2 in one persistent launch
   bool pairs = false;  // FP8: that launch in CTA pairs sharing each weight tile (routing in 2 x block_m row blocks)
@@ -24,22 +24,45 @@ constexpr int stage_bytes(int block_m) { return 256 * 128 + block_m * 128; }
 // The L2 epilogue's staged row per token: 256 bf16 outputs + 16 bytes (no bank conflicts, rows stay contiguous).
 constexpr int kStagedL2RowBytes = 256 * 2 + 16;
 // Deepest TMA pipeline that fits beside the largest epilogue (L2: block_m staged rows) in the 227 KB a
-// block may use (minus alignment slack and barriers): 6, 5 and 4 stages for block_m 16, 32 and 64.
+// block may use (minus alignment slack and barriers): 6, 5, 4 and 3 stages for block_m 16, 32, 64 and 128.
 constexpr int num_stages_for(int block_m) {
   return (227 * 1024 - 2048 - block_m * kStagedL2RowBytes) / stage_bytes(block_m);
 }
-static_assert(num_stages_for(16) == 6 && num_stages_for(32) == 5 && num_stages_for(64) == 4, "stage counts");
+static_assert(num_stages_for(16) == 6 && num_stages_for(32) == 5 && num_stages_for(64) == 4 &&
+              num_stages_for(128) == 3, "stage counts");
+
+// The token block for an expected `rows` per touched expert, at most max_block_m. NOTES: decode is weight-bound: a
+// block_m larger than the rows an expert gets only wastes MMA work, never bytes; prefill wants the widest tile.
+// block_m 128 (FP8 only: the 256 x 128 tile with one partial accumulator; an expert's last block of at most 64 rows
+// runs m64n64 wgmmas in it) runs a 128-K stage of 2^22 MACs in ~1,840 cycles against 2 x ~1,050 for the 256 x 64
+// tile (tile trace, H100, V4-Flash T=8192, 2026-11-25): only 0.87x the cycles per MAC. It pays where it saves a
+// padded 64-row block. H100 A/Bs (2026-11-25, 2 rounds; time per replay / in a graph over block_m 64's): for every
+// rows > 64 (docs/bench/h100-2026-11-25e-ab-block128-all-rows.json) V4-Flash T=4096 (96 rows) -5.0 / -3.5 %, but
+// V4-Pro T=8192 (128 rows, half the experts over 128) +1.9 / +0.5 % and V4-Flash T=8192 (192 rows) +3.3 / +3.7 %;
+// with this cut (-cut.json) V4-Flash T=3072 (72 rows) -2.4 / -8.9 %, T=4096 -3.7 / -2.8 %, V4-Pro T=6144 (96 rows)
+// -11.7 / -10.8 %. So 64 < rows <= 112 (the cut between the measured 96 and 128 rows is not measured itself).
+// MEGAMOE_FP8_BLOCK_M=16/32/64/128 (read per call; tests) forces the FP8 kernel's.
+inline int token_block_for(int64_t rows, int max_block_m) {
+  const int b = rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : rows <= 112 ? 128 : 64;
+  return b < max_block_m ? b : max_block_m;
+}
 
 inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
                                              int64_t intermediate, int64_t num_ranks = 1) {
-  // Expected rows per touched expert. NOTES: decode is weight-bound: a block_m larger than the rows an
-  // expert gets only wastes MMA work, never bytes; prefill wants the widest tile (fewest weight
-  // re-reads, best MMA efficiency), capped at 64 by the registers of two partial accumulators.
+  // Expected rows per touched expert (token_block_for).
   const int64_t slots = num_tokens * top_k;
   const int64_t rows = slots <= num_experts ? 1 : (slots + num_experts - 1) / num_experts;
   GroupedGemmConfig c;
-  c.block_m = rows <= 16 ? 16 : rows <= 32 ? 32 : 64;
-  c.num_stages = num_stages_for(c.block_m);
+  c.block_m = token_block_for(rows, 128);
+  const char* block_env = std::getenv("MEGAMOE_FP8_BLOCK_M");
+  if (block_env != nullptr && block_env[0] != '\0') {
+    const int forced_block = std::atoi(block_env);
+    if (forced_block != 16 && forced_block != 32 && forced_block != 64 && forced_block != 128) {
+      std::fprintf(stderr, "megamoe: MEGAMOE_FP8_BLOCK_M=%s ignored (expected 16, 32, 64 or 128)\n", block_env);
+    } else {
+      c.block_m = forced_block;
+    }
+  }
   // NOTES: one launch for L1 and L2 (L2 tiles start as soon as their expert's L1 tiles are stored, on SMs
   // that finished L1, instead of after L1's tail and a second launch ramp). H100 A/B of this kernel vs two
   // launches (2026-11-23, docs/bench/h100-2026-11-23b-ab-fused-v2*.json): V4-Pro T=1 / 2048 / 4096 -4.3 / -16 /
@@ -63,7 +86,9 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   // twelfth session). MEGAMOE_FP8_PAIRS=1 turns it on wherever the fused launch runs with block_m 64 (tests do).
   const char* pairs_env = std::getenv("MEGAMOE_FP8_PAIRS");
   const bool pairs_on = pairs_env != nullptr && pairs_env[0] == '1';
+  if (c.fused && pairs_on && c.block_m == 128) c.block_m = 64;  // the pair walk's blocks are 64 rows
   c.pairs = c.fused && c.block_m == 64 && pairs_on;
+  c.num_stages = num_stages_for(c.block_m);
   if (std::getenv("MEGAMOE_PRINT_CONFIGS") != nullptr) {
     static std::mutex mu;
     static std::set<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>> printed;
@@ -119,7 +144,9 @@ constexpr int fp4_num_stages_for(int block_m, bool act_fp4) {
 // bound by the packed weight bytes either way.
 inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts,
                                                  int64_t hidden, int64_t intermediate, bool act_fp4) {
-  GroupedGemmConfig c = choose_grouped_gemm(num_tokens, top_k, num_experts, hidden, intermediate);
+  const int64_t slots = num_tokens * top_k;
+  GroupedGemmConfig c;
+  c.block_m = token_block_for(slots <= num_experts ? 1 : (slots + num_experts - 1) / num_experts, 64);
   c.num_stages = fp4_num_stages_for(c.block_m, act_fp4);
   c.fused = false;  // the FP4 kernels run L1 and L2 as two launches
   c.pairs = false;

@@ -63,6 +63,7 @@ void launch_fp8_grouped_gemms(const GroupedGemmArgs& l1, const GroupedGemmArgs& 
     case 16: return launch_block_m<16>(l1, l2, p, how.fused, how.pairs, num_sms, stream);
     case 32: return launch_block_m<32>(l1, l2, p, how.fused, how.pairs, num_sms, stream);
     case 64: return launch_block_m<64>(l1, l2, p, how.fused, how.pairs, num_sms, stream);
+    case 128: return launch_block_m<128>(l1, l2, p, how.fused, how.pairs, num_sms, stream);
   }
   throw std::runtime_error("megamoe: grouped GEMM has no instantiation for block_m = " + std::to_string(how.block_m));
 }

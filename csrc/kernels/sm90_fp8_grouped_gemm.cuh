@@ -10,6 +10,9 @@
 // Warp 0 hands every work tile to warp 1 (a 2-entry ring) and to the consumers (TileInfo beside the tile's first
 // stage) and ends with an end marker, so only warp 0 knows the walk.
 //
+// Token blocks (block_m, the wgmma N) of 16, 32 or 64 tokens, or 128 (one partial accumulator per warpgroup instead
+// of one per slice: one_partial_stage).
+//
 // Per 128-K block: 4 wgmma k32 steps into a fresh partial accumulator, then promotion
 // acc += partial * weight_scale(64-row chunk, k block) * token_scale(token, k block) in float32.
 // NOTES: promoting once per scale block (as DeepGEMM does) also bounds the error of Hopper's
@@ -155,6 +158,52 @@ struct GemmSmem {
                                 kTileRingDepth * (2 * 8 + int(sizeof(WorkTile)));  // weight -> token producer
 };
 
+// One stage of a block_m 128 tile (the kernel's kOnePartial): per 64-row slice, its four k32 wgmmas into the one
+// partial accumulator, then that slice's promotion as the two-partial loop does it (acc += part * (weight scale *
+// token scale) in k order, one fused multiply-add each: the same bits). The token scales load from shared memory per
+// fragment column pair (32 more live registers would not fit beside 128 + 64). Mma: m64n128, or m64n64 for a tail
+// block of at most 64 tokens (it fills the first half of each fragment; the rest stays 0). a_lo / b_lo: the stage's
+// descriptors for this warpgroup's first slice and the token tile; token_sf: the stage's token scales.
+// NOTES: probe_mma.py --tile-only (H100, 2026-11-25) ran this loop, without scales, at 1,180 cycles per stage (2^22
+// MACs) from shared memory and 1,198 refilled from L2 on 132 SMs, where the 256 x 64 tile's takes 1,280 and 2,446
+// for the same MACs; in the kernel it takes ~1,840 (tile trace, V4-Flash T=8192), the consumers waiting ~80 of them
+// for data. Taking turns between the warpgroups (named barriers, so one's wgmmas run while the other promotes) did
+// not change that (A/B within noise: docs/perf-notes.md, sixteenth session). Hence block_m 128 only where it saves
+// padding (heuristics: token_block_for).
+template <typename Mma, int kRegs>
+__device__ __forceinline__ void one_partial_stage(float (&acc0)[kRegs], float (&acc1)[kRegs], uint32_t a_lo,
+                                                  uint32_t b_lo, const float* token_sf, float ws0, float ws1,
+                                                  int lane) {
+  constexpr int kR = Mma::kNumRegs;
+  static_assert(kR <= kRegs, "the partial fills (part of) the accumulator fragment");
+  float part[kR];
+#pragma unroll
+  for (int sl = 0; sl < 2; ++sl) {
+    float* acc = sl == 0 ? acc0 : acc1;
+    const float ws = sl == 0 ? ws0 : ws1;
+#pragma unroll
+    for (int i = 0; i < kR; ++i) ptx::fence_operand(part[i]);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kBlockK / 32; ++ks)
+      Mma::run(part, ptx::smem_desc_sw128(a_lo + (sl * 64 * kBlockK + ks * 32) / 16),
+               ptx::smem_desc_sw128(b_lo + ks * 2), ks > 0);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kR; ++i) ptx::fence_operand(part[i]);
+#pragma unroll
+    for (int j = 0; j < kR / 4; ++j) {
+      const float2 v = *reinterpret_cast<const float2*>(token_sf + 8 * j + 2 * (lane % 4));
+      const float s0 = ws * v.x, s1 = ws * v.y;
+      acc[4 * j] = __fmaf_rn(part[4 * j], s0, acc[4 * j]);
+      acc[4 * j + 1] = __fmaf_rn(part[4 * j + 1], s1, acc[4 * j + 1]);
+      acc[4 * j + 2] = __fmaf_rn(part[4 * j + 2], s0, acc[4 * j + 2]);
+      acc[4 * j + 3] = __fmaf_rn(part[4 * j + 3], s1, acc[4 * j + 3]);
+    }
+  }
+}
+
 template <int kBlockM, int kNumStages, Gemms kGemms, bool kPairs>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights1,
@@ -166,7 +215,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   using Mma = ptx::WgmmaFP8<kBlockM>;
   constexpr int kRegs = Mma::kNumRegs;
   constexpr bool kFused = kGemms == Gemms::kFused;
-  static_assert(kBlockM % 8 == 0 && kBlockM <= 64, "token block must be a multiple of 8, at most 64");
+  static_assert(kBlockM % 8 == 0 && (kBlockM <= 64 || kBlockM == 128), "token block: a multiple of 8 to 64, or 128");
+  // block_m 128 (the 256 x 128 tile): per consumer thread the two slices' accumulators take 128 registers, so there
+  // is one partial accumulator, not one per slice (one_partial_stage).
+  constexpr bool kOnePartial = kBlockM > 64;
   static_assert(!kPairs || kFused, "the pair walk is a fused walk");
   constexpr int kRoutingBlock = kPairs ? 2 * kBlockM : kBlockM;  // rows per routing block (a pair: two tiles)
 
@@ -589,14 +641,25 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // weight chunks (0 past n: those rows are never stored) and this thread's token columns.
       const float* sc = stage_scales + stage * (Smem::kScales / 4);
       const float ws0 = valid0 ? sc[consumer * 2] : 0.0f, ws1 = valid1 ? sc[consumer * 2 + 1] : 0.0f;
+      const uint32_t a_lo = tile_a_desc_lo + (stage * Smem::kTileA + consumer * 128 * kBlockK) / 16;
+      const uint32_t b_lo = tile_b_desc_lo + stage * (Smem::kTileB / 16);
+      if constexpr (kOnePartial) {
+        // A tile of at most 64 tokens (an expert's last block) runs m64n64: half the MMA work. Its fragment is the
+        // first half of the m64n128 one (same columns), so the epilogue does not change.
+        if (t.rows <= 64)
+          one_partial_stage<ptx::WgmmaFP8<64>>(acc0, acc1, a_lo, b_lo, sc + kBlockN / 64, ws0, ws1, lane);
+        else
+          one_partial_stage<Mma>(acc0, acc1, a_lo, b_lo, sc + kBlockN / 64, ws0, ws1, lane);
+        release(stage);
+        if (++stage == kNumStages) stage = 0, phase ^= 1;
+        continue;
+      }
       float col_sf[kBlockM / 4];
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
         const float2 v = *reinterpret_cast<const float2*>(sc + kBlockN / 64 + 8 * j + 2 * (lane % 4));
         col_sf[2 * j] = v.x, col_sf[2 * j + 1] = v.y;
       }
-      const uint32_t a_lo = tile_a_desc_lo + (stage * Smem::kTileA + consumer * 128 * kBlockK) / 16;
-      const uint32_t b_lo = tile_b_desc_lo + stage * (Smem::kTileB / 16);
       float part0[kRegs], part1[kRegs];
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
@@ -615,19 +678,21 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ptx::wgmma_commit();
 
       // Promotion. Fragment layout of m64nN: register 4j + {0,1} -> (row r, cols 8j + 2(lane%4) + {0,1}),
-      // 4j + {2,3} -> (row r + 8, same cols).
+      // 4j + {2,3} -> (row r + 8, same cols). NOTES: one explicit fused multiply-add per element, as in
+      // one_partial_stage: left to contraction, the compiler split some there into a multiply (to free the partial's
+      // registers for the next wgmma) and a later add, two roundings: outputs 1 bf16 ulp off block_m 64's.
       ptx::wgmma_wait<1>();
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]);
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc0[i] += part0[i] * (ws0 * col_sf[(i / 4) * 2 + (i % 2)]);
+      for (int i = 0; i < kRegs; ++i) acc0[i] = __fmaf_rn(part0[i], ws0 * col_sf[(i / 4) * 2 + (i % 2)], acc0[i]);
       ptx::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part1[i]);
       release(stage);
       if (++stage == kNumStages) stage = 0, phase ^= 1;
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc1[i] += part1[i] * (ws1 * col_sf[(i / 4) * 2 + (i % 2)]);
+      for (int i = 0; i < kRegs; ++i) acc1[i] = __fmaf_rn(part1[i], ws1 * col_sf[(i / 4) * 2 + (i % 2)], acc1[i]);
     }
 
 #ifdef MEGAMOE_TILE_TRACE
