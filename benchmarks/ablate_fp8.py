@@ -58,6 +58,10 @@ PATCHES = {
     "no-scaling": [
         ("acc0[i] = __fmaf_rn(part0[i], ws0 * col_sf[(i / 4) * 2 + (i % 2)], acc0[i]);", "acc0[i] += part0[i];"),
         ("acc1[i] = __fmaf_rn(part1[i], ws1 * col_sf[(i / 4) * 2 + (i % 2)], acc1[i]);", "acc1[i] += part1[i];"),
+        # block_m 128 (one_partial_stage): no token-scale loads, no products
+        ("      const float2 v = *reinterpret_cast<const float2*>(token_sf + 8 * j + 2 * (lane % 4));\n"
+         "      const float s0 = ws * v.x, s1 = ws * v.y;",
+         "      const float s0 = 1.0f, s1 = 1.0f;"),
     ],
     # The consumers go from one tile's main loop straight to the next (timing only): no epilogue, but each fused L1
     # tile is still counted for its expert (its L2 tiles wait for the count) and the accumulators stay live.
