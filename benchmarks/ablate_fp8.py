@@ -54,6 +54,7 @@ PATCHES = {
          "acc0[i] = __fmaf_rn(part0[i], col_sf[(i / 4) * 2 + (i % 2)], acc0[i]);"),
         ("acc1[i] = __fmaf_rn(part1[i], ws1 * col_sf[(i / 4) * 2 + (i % 2)], acc1[i]);",
          "acc1[i] = __fmaf_rn(part1[i], col_sf[(i / 4) * 2 + (i % 2)], acc1[i]);"),
+        ("      const float s0 = ws * v.x, s1 = ws * v.y;", "      const float s0 = v.x, s1 = v.y;"),  # block_m 128
     ],
     "no-scaling": [
         ("acc0[i] = __fmaf_rn(part0[i], ws0 * col_sf[(i / 4) * 2 + (i % 2)], acc0[i]);", "acc0[i] += part0[i];"),

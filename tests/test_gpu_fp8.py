@@ -13,6 +13,7 @@ fluctuate around that mean (up to 2.1 % seen with 2 rows), so the sweep checks e
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -247,10 +248,18 @@ def sched_words(case):
 
 
 def gemm_block_m(num_tokens, top_k, num_experts):
-    """The grouped GEMM's token block (csrc/heuristics/sm90.hpp: rows per touched expert)."""
+    """The grouped GEMM's token block on one rank, as csrc/heuristics/sm90.hpp chooses it: by rows per touched expert,
+    or MEGAMOE_FP8_BLOCK_M; 64 where the pair walk runs (MEGAMOE_FP8_PAIRS=1 in the fused launch)."""
     slots = num_tokens * top_k
     rows = 1 if slots <= num_experts else -(-slots // num_experts)
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128 if rows <= 112 else 64
+    block = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128 if rows <= 112 else 64
+    forced = os.environ.get("MEGAMOE_FP8_BLOCK_M", "")
+    if forced in ("16", "32", "64", "128"):
+        block = int(forced)
+    fused = not os.environ.get("MEGAMOE_FP8_FUSED", "").startswith("0")
+    if fused and os.environ.get("MEGAMOE_FP8_PAIRS", "").startswith("1") and block == 128:
+        block = 64
+    return block
 
 
 def routing_blocks(case, block_m):
@@ -406,7 +415,7 @@ def test_pair_walk_equals_unpaired(case_args, monkeypatch):
     expert with 1 row, empty experts, hidden not a multiple of 256 (the last L2 tile's upper half lies past the
     expert's rows: rank 1's whole weight half) and the V4-Flash shape at T=4096 (96 rows per expert). The pair walk
     is off by default (slower today: csrc/heuristics/sm90.hpp); the third call checks the default too. tile_offset
-    tells the walks apart: routing counts 128-row blocks for the pair walk, 64-row blocks otherwise."""
+    tells the walks apart: routing counts 128-row blocks for the pair walk, the default's blocks otherwise."""
     e, h, i, k, t, rows = case_args
     monkeypatch.delenv("MEGAMOE_FP8_FUSED", raising=False)  # the pair walk runs in the fused launch
     if e >= 256:

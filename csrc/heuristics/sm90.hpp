@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <set>
+#include <string>
 #include <tuple>
 
 namespace megamoe::heuristics {
@@ -45,6 +46,20 @@ static_assert(num_stages_for(16) == 6 && num_stages_for(32) == 5 && num_stages_f
 inline int token_block_for(int64_t rows, int max_block_m) {
   const int b = rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : rows <= 112 ? 128 : 64;
   return b < max_block_m ? b : max_block_m;
+}
+
+// MEGAMOE_PRINT_CONFIGS: each configuration chosen, once per problem shape and weight family.
+inline void print_config_once(const char* family, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                              int64_t hidden, int64_t intermediate, int64_t num_ranks, const GroupedGemmConfig& c) {
+  if (std::getenv("MEGAMOE_PRINT_CONFIGS") == nullptr) return;
+  static std::mutex mu;
+  static std::set<std::tuple<std::string, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>> printed;
+  std::lock_guard<std::mutex> lock(mu);
+  if (printed.insert({family, num_tokens, top_k, num_experts, hidden, intermediate, num_ranks}).second)
+    std::printf("megamoe: sm90 %s grouped GEMM T=%lld K=%lld E=%lld H=%lld I=%lld ranks=%lld -> block_m=%d stages=%d "
+                "fused=%d pairs=%d\n", family, (long long)num_tokens, (long long)top_k, (long long)num_experts,
+                (long long)hidden, (long long)intermediate, (long long)num_ranks, c.block_m, c.num_stages,
+                int(c.fused), int(c.pairs));
 }
 
 inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
@@ -89,16 +104,7 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   if (c.fused && pairs_on && c.block_m == 128) c.block_m = 64;  // the pair walk's blocks are 64 rows
   c.pairs = c.fused && c.block_m == 64 && pairs_on;
   c.num_stages = num_stages_for(c.block_m);
-  if (std::getenv("MEGAMOE_PRINT_CONFIGS") != nullptr) {
-    static std::mutex mu;
-    static std::set<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>> printed;
-    std::lock_guard<std::mutex> lock(mu);
-    if (printed.insert({num_tokens, top_k, num_experts, hidden, intermediate, num_ranks}).second)
-      std::printf("megamoe: sm90 grouped GEMM T=%lld K=%lld E=%lld H=%lld I=%lld ranks=%lld -> block_m=%d stages=%d "
-                  "fused=%d pairs=%d\n", (long long)num_tokens, (long long)top_k, (long long)num_experts,
-                  (long long)hidden, (long long)intermediate, (long long)num_ranks, c.block_m, c.num_stages,
-                  int(c.fused), int(c.pairs));
-  }
+  print_config_once("FP8", num_tokens, top_k, num_experts, hidden, intermediate, num_ranks, c);
   return c;
 }
 
@@ -150,6 +156,8 @@ inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top
   c.num_stages = fp4_num_stages_for(c.block_m, act_fp4);
   c.fused = false;  // the FP4 kernels run L1 and L2 as two launches
   c.pairs = false;
+  print_config_once(act_fp4 ? "FP4 (FP4 tokens)" : "FP4 (FP8 tokens)", num_tokens, top_k, num_experts, hidden,
+                    intermediate, 1, c);
   return c;
 }
 
