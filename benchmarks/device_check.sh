@@ -4,7 +4,7 @@
 #   fp4: the FP4 GPU tests (with the sweep and the exactness test), then the FP4 probe benchmark.
 #   ablate: FP8 GEMM ablation builds with tile traces (ABLATIONS, ABL_MODEL, ABL_TOKENS; see below).
 #   sanitize: SANITIZE_FP8_K / SANITIZE_FP4_K replace the test selections (e.g. SANITIZE_FP8_K=pair_walk).
-#   race: racecheck of the FP8 tests RACE_K in one tree per RACE_VARIANTS entry ("none" or ablate_fp8.py patches that
+#   race: racecheck of the FP8 tests RACE_K in one tree per RACE_VARIANTS entry ("none" or ablate.py patches that
 #   keep results exact: sync-scales, fill-scales); hazard summaries in race-<variant>.log; RACE_ARGS go to
 #   compute-sanitizer (e.g. "--racecheck-report hazard": every hazard with its addresses and threads).
 #   clocks: SM clock, power and throttle reasons (nvidia-smi every 50 ms) during bench_moe at CLOCK_TOKENS (8192) for
@@ -20,7 +20,7 @@ what=${1:-all}
 kexpr=${2:-}
 [[ ",$what," == *",all,"* ]] && what="$what,test,sanitize,bench"
 has() { [[ ",$what," == *",$1,"* ]]; }
-# patched_tree PATCHES LOG [VAR=VALUE...]: a copy of this tree with benchmarks/ablate_fp8.py's PATCHES applied
+# patched_tree PATCHES LOG [VAR=VALUE...]: a copy of this tree with benchmarks/ablate.py's PATCHES applied
 # ("none": unpatched), built with the given environment (log in $out/LOG); prints the copy's path, fails if the
 # build fails (the log's tail on stderr).
 patched_tree() {
@@ -28,7 +28,7 @@ patched_tree() {
   shift 2
   tree=$(mktemp -d)
   tar --exclude=./build --exclude=./.ab --exclude='./megamoe/*.so' -cf - . | tar -xf - -C "$tree"
-  [ "$patches" != none ] && python3 benchmarks/ablate_fp8.py "$tree" "$patches" >&2
+  [ "$patches" != none ] && python3 benchmarks/ablate.py "$tree" "$patches" >&2
   if ! (cd "$tree" && env "$@" python3 setup.py build_ext --inplace >"$out/$log" 2>&1); then
     tail -20 "$out/$log" >&2
     return 1
@@ -69,7 +69,7 @@ fi
 if has ncu; then
   # Nsight Compute, full set with source counters, of the grouped-GEMM kernels of one call per case
   # (NCU_CASES: format:act_format:tokens, V4-Flash); details and per-SASS-instruction stalls as text.
-  # NCU_ABLATION (benchmarks/ablate_fp8.py patches, comma list) profiles an ablated copy of the tree instead.
+  # NCU_ABLATION (benchmarks/ablate.py patches, comma list) profiles an ablated copy of the tree instead.
   ncu_tree=$PWD
   if [ -n "${NCU_ABLATION:-}" ]; then
     ncu_tree=$(patched_tree "$NCU_ABLATION" build-ncu.log) || exit 1
@@ -106,7 +106,7 @@ if has bench; then
   python3 benchmarks/bench_moe.py --formats "${BENCH_FORMATS:-fp8}" --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.log"
 fi
 if has ablate; then
-  # Ablation builds of the FP8 GEMM (benchmarks/ablate_fp8.py: timing only, outputs garbage), each with a tile trace of
+  # Ablation builds of the FP8 GEMM (benchmarks/ablate.py: timing only, outputs garbage), each with a tile trace of
   # one call: ABLATIONS (space-separated; "none" or a comma list of ablations), ABL_MODEL (V4-Flash), ABL_TOKENS (8192).
   for abl in ${ABLATIONS:-none no-scales,no-token-tma,no-weight-tma}; do
     tag=${abl//,/.}  # no '+': the device tool returns only plain file names
@@ -135,7 +135,7 @@ print(f"clocks: {len(rows)} samples, {len(busy)} busy; SM MHz median {statistics
 PY
 fi
 if has race; then
-  # Racecheck A/B of the FP8 kernels' scale-copy synchronisation (benchmarks/ablate_fp8.py sync-scales / fill-scales).
+  # Racecheck A/B of the FP8 kernels' scale-copy synchronisation (benchmarks/ablate.py sync-scales / fill-scales).
   for variant in ${RACE_VARIANTS:-none sync-scales fill-scales}; do
     tree=$(patched_tree "$variant" "build-race-$variant.log") || continue
     (cd "$tree" && PYTHONPATH="$tree" compute-sanitizer --tool racecheck --kernel-name kns=megamoe --error-exitcode 9 ${RACE_ARGS:-} \

@@ -1,5 +1,5 @@
 """CPU checks of the device-side diagnostic tools, so they still fit the kernel when a device session needs them:
-every ablate_fp8.py patch applies to the current FP8 kernel source (each original text once), and tile_trace.py
+every ablate.py patch applies to the current kernel sources (each original text once), and tile_trace.py
 parses its trace lines with and without the clock fields."""
 from __future__ import annotations
 
@@ -19,18 +19,18 @@ def load_tool(name):
     return module
 
 
-ablate = load_tool("ablate_fp8")
+ablate = load_tool("ablate")
 
 
 # Each patch alone, and the all-data ablation device_check.sh's ablate mode runs by default.
 @pytest.mark.parametrize("names", [[n] for n in ablate.PATCHES] + [["no-scales", "no-token-tma", "no-weight-tma"]],
                          ids=lambda names: ",".join(names))
 def test_ablate_patches_apply(names, tmp_path, monkeypatch):
-    kernel = tmp_path / ablate.KERNEL
+    kernel = tmp_path / ablate.kernel_of(names[0])
     kernel.parent.mkdir(parents=True)
-    shutil.copy(ROOT / ablate.KERNEL, kernel)
+    shutil.copy(ROOT / ablate.kernel_of(names[0]), kernel)
     before = kernel.read_text()
-    monkeypatch.setattr("sys.argv", ["ablate_fp8.py", str(tmp_path), ",".join(names)])
+    monkeypatch.setattr("sys.argv", ["ablate.py", str(tmp_path), ",".join(names)])
     ablate.main()  # exits naming the patch if an original text is not found exactly once
     after = kernel.read_text()
     for name in names:
@@ -43,7 +43,7 @@ def test_ablate_unknown_patch_is_refused(tmp_path, monkeypatch):
     kernel = tmp_path / ablate.KERNEL
     kernel.parent.mkdir(parents=True)
     shutil.copy(ROOT / ablate.KERNEL, kernel)
-    monkeypatch.setattr("sys.argv", ["ablate_fp8.py", str(tmp_path), "no-such-patch"])
+    monkeypatch.setattr("sys.argv", ["ablate.py", str(tmp_path), "no-such-patch"])
     with pytest.raises(SystemExit, match="unknown ablation 'no-such-patch'"):
         ablate.main()
 

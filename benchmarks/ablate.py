@@ -1,7 +1,7 @@
-"""Ablation builds of the FP8 grouped GEMM (diagnostic; wrong results by design, timing only).
+"""Ablation builds of the grouped GEMMs (diagnostic; wrong results by design, timing only).
 
-Patches a copy of the source tree so the producer warps leave out parts of each stage, to see which of them bounds the
-main loop (docs/perf-notes.md, twelfth session: ~1,150 cycles per stage at T=8192 against 641 for the MMA):
+Patches a copy of the source tree so the kernels leave out parts of each stage, to see which of them bounds the main
+loop. FP8 kernel (docs/perf-notes.md, twelfth session: ~1,150 cycles per stage at T=8192 against 641 for the MMA):
   no-scales      no weight-scale or token-scale cp.async (the lanes still arrive: the stage completes without them)
   no-token-tma   no token tile (its bytes leave the stage's expect_tx)
   no-weight-tma  no weight tile (the consumers multiply whatever the slot holds)
@@ -10,14 +10,21 @@ main loop (docs/perf-notes.md, twelfth session: ~1,150 cycles per stage at T=819
   no-epilogue    the consumers skip the epilogue (fused L1 tiles still counted): main loops back to back
 The consumers run unchanged on whatever the slots hold, so outputs are garbage; bench_moe --no-peer times them.
 Unpaired walk only: with MEGAMOE_FP8_PAIRS=1 no-weight-tma would leave the multicast halves uncounted (a hang).
-Two more patches keep the results exact; they change how the stage's scale copies synchronise, for racecheck A/Bs
+Two more FP8 patches keep the results exact; they change how the stage's scale copies synchronise, for racecheck A/Bs
 (device_check.sh race):
   sync-scales    the producer warps' lanes wait for their cp.asyncs (cp.async.wait_all) and arrive plainly, in place
                  of the asynchronous cp.async.mbarrier.arrive.noinc
   fill-scales    every stage writes all kBlockM token-scale slots (those past the tile's rows zero-filled by a
                  cp.async of source size 0), so the consumers never read a slot written in an earlier stage
 
-    python3 benchmarks/ablate_fp8.py TREE no-scales[,no-token-tma,...]
+FP4 kernel (docs/perf-notes.md: its decode tiles run at 1.2-1.3x the weight-byte floor, issue-heavy consumers):
+  fp4-no-convert     the converter warps skip the token tile's conversion / fold (barriers as before): the consumers
+                     multiply whatever the bf16 / E4M3 tile holds
+  fp4-no-decode      the consumers' E2M1 bit placement becomes one XOR per register (BF16 path: mask, IMAD, mask per
+                     bf16 pair; FP8-wgmma path: the PRMT table lookups and sign spreading); the scale multiply stays
+  fp4-no-weight-tma  no weight tile (its bytes leave the stage's expect_tx; scales still copied)
+
+    python3 benchmarks/ablate.py TREE no-scales[,no-token-tma,...]
     e.g. on the device: AB_VARIANTS=".ab/main .ab/abl-scales" bash benchmarks/ab.sh (no AB_TESTS for these trees)
 """
 from __future__ import annotations
@@ -26,6 +33,13 @@ import os
 import sys
 
 KERNEL = "csrc/kernels/sm90_fp8_grouped_gemm.cuh"
+KERNEL_FP4 = "csrc/kernels/sm90_fp4_grouped_gemm.cuh"
+
+
+def kernel_of(name: str) -> str:
+    """The source file an ablation patches (the fp4-* ones: the FP4 kernel)."""
+    return KERNEL_FP4 if name.startswith("fp4-") else KERNEL
+
 
 # (ablation, original text, replacement); each original must occur exactly once.
 PATCHES = {
@@ -90,6 +104,22 @@ PATCHES = {
          "                else asm volatile(\"cp.async.ca.shared.global [%0], [%1], 4, 0;\" ::\"r\"(ptx::smem_addr(dst + c)),"
          " \"l\"(src) : \"memory\");"),
     ],
+    "fp4-no-convert": [
+        ("          for (int u = ctid; u < kBlockM * 8; u += kNumConverterWarps * 32) {",
+         "          for (int u = ctid; false && u < kBlockM * 8; u += kNumConverterWarps * 32) {"),
+    ],
+    "fp4-no-decode": [
+        ("  return (x * ((1u << (6 - 4 * pp)) + (1u << (12 - 4 * pp)))) & 0x81C081C0u;",
+         "  return v ^ uint32_t(p);"),
+        ("  lo = ptx::prmt(t.x, t.y, w & 0x7777u) | (ptx::prmt(w, x4, 0x9D8Cu) & 0x80808080u);\n"
+         "  hi = ptx::prmt(t.x, t.y, (w >> 16) & 0x7777u) | (ptx::prmt(w, x4, 0xBFAEu) & 0x80808080u);",
+         "  lo = w ^ t.x, hi = x4 ^ t.y;"),
+    ],
+    "fp4-no-weight-tma": [
+        ("          uint32_t bytes = S::kTileA;", "          uint32_t bytes = 0 * S::kTileA;"),
+        ("          ptx::tma_load_2d(tile_a(stage), &tmap_weights,",
+         "          if (false) ptx::tma_load_2d(tile_a(stage), &tmap_weights,"),
+    ],
 }
 
 
@@ -97,18 +127,21 @@ def main():
     if len(sys.argv) != 3:
         sys.exit(__doc__)
     tree, names = sys.argv[1], sys.argv[2].split(",")
-    path = os.path.join(tree, KERNEL)
-    text = open(path).read()
+    texts = {}
     for name in names:
         if name not in PATCHES:
-            sys.exit(f"ablate_fp8: unknown ablation {name!r}; known: {', '.join(PATCHES)}")
+            sys.exit(f"ablate: unknown ablation {name!r}; known: {', '.join(PATCHES)}")
+        kernel = kernel_of(name)
+        if kernel not in texts:
+            texts[kernel] = open(os.path.join(tree, kernel)).read()
         for old, new in PATCHES[name]:
-            if text.count(old) != 1:
-                sys.exit(f"ablate_fp8: {name}: expected the text once in {KERNEL}, found {text.count(old)}:\n{old}")
-            text = text.replace(old, new)
-    with open(path, "w") as f:
-        f.write(text)
-    print(f"ablate_fp8: {path}: {', '.join(names)}")
+            if texts[kernel].count(old) != 1:
+                sys.exit(f"ablate: {name}: expected the text once in {kernel}, found {texts[kernel].count(old)}:\n{old}")
+            texts[kernel] = texts[kernel].replace(old, new)
+    for kernel, text in texts.items():
+        with open(os.path.join(tree, kernel), "w") as f:
+            f.write(text)
+    print(f"ablate: {tree}: {', '.join(names)}")
 
 
 if __name__ == "__main__":
