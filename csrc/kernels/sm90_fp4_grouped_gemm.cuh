@@ -65,24 +65,29 @@ namespace megamoe::kernels::fp4 {
 
 constexpr int kBlockN = 256;  // weight rows per tile
 constexpr int kBlockK = 256;  // K per stage (128 packed bytes per weight row)
-constexpr int kNumConverterWarps = 2;  // producer warps 2-3
 
 // Consumer warpgroups per block. Decode (block_m 16): four, one 64-row slice each, so that every
 // scheduler has four consumer warps to switch between (the decode and the wgmma waits of one warp are
 // latency-bound: ncu saw 2.5 active, 0.73 eligible warps per scheduler with two consumer warpgroups).
 // block_m 32 and 64: two, two slices each (with four, block_m 32 spilled under the 96 registers a thread
 // gets at launch, which is what ptxas allocates for).
+// Converter warps (token tile -> bf16 / E4M3 tile): producer warps 2-3, and with two consumer warpgroups a fourth
+// warpgroup of four more after the consumers. NOTES: at prefill block sizes the two converter warps bounded the
+// stage: without any conversion (ablate.py fp4-no-convert) V4-Flash T=2048 ran 18-23 % faster (H100, 2026-11-25).
 template <int kBlockM>
 struct Roles {
   static constexpr int kConsumers = kBlockM <= 16 ? 4 : 2;
   static constexpr int kSlices = 4 / kConsumers;  // 64-row slices per consumer (L1: a gate + up pair when 2)
   static constexpr int kConsumerThreads = 128 * kConsumers;
-  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kConverterWarps = kConsumers == 2 ? 6 : 2;
+  static constexpr int kConverterGroup = kConverterWarps > 2 ? 1 + kConsumers : -1;  // the fourth warpgroup, if any
+  static constexpr int kThreads = 128 + kConsumerThreads + (kConverterWarps > 2 ? 128 : 0);
   // setmaxnreg: the launch gives every thread 65536 / kThreads registers (rounded down to 8); the producer
-  // warpgroup gives part back. 384 threads: 168 -> 56 / 224; 640 threads: 96 -> 48 / 104.
+  // warpgroup (and the converter warpgroup) give part back. 512 threads: 128 -> 56 / 200; 640 threads: 96 -> 48 / 104.
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
   static constexpr int kProducerRegs = kConsumers == 2 ? 56 : 48;
-  static constexpr int kConsumerRegs = ((kLaunchRegs * kThreads - 128 * kProducerRegs) / kConsumerThreads) / 8 * 8;
+  static constexpr int kConsumerRegs =
+      ((kLaunchRegs * kThreads - (kThreads - kConsumerThreads) * kProducerRegs) / kConsumerThreads) / 8 * 8;
   static_assert(kConsumerRegs >= kLaunchRegs && kConsumerRegs <= 256, "register split");
 };
 constexpr int kScaleWordsBytes = 16;  // weight scale bytes per row per stage in shared memory
@@ -410,10 +415,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
       ptx::mbarrier_init(&full[s], 1 + 32);  // TMA thread + the 32 scale-copy lanes
-      ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32 + kNumConverterWarps);
+      ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32 + R::kConverterWarps);
     }
     for (int b = 0; b < kNumBfTiles; ++b) {
-      ptx::mbarrier_init(&bf_full[b], kNumConverterWarps * 32);
+      ptx::mbarrier_init(&bf_full[b], R::kConverterWarps * 32);
       ptx::mbarrier_init(&bf_empty[b], kNumConsumerThreads / 32);
     }
     ptx::fence_barrier_init();
@@ -423,8 +428,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   }
   __syncthreads();
 
-  if (warpgroup == 0) {
-    // ======================================================================== producer
+  if (warpgroup == 0 || warpgroup == R::kConverterGroup) {
+    // ======================================================================== producer, converters
     ptx::setmaxnreg_dec<R::kProducerRegs>();
     const int warp = threadIdx.x / 32;
     if (threadIdx.x == 0) {
@@ -513,7 +518,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     } else if (warp >= 2) {
       // Token tile -> bf16 tile b (a ring of kNumBfTiles). Tile b is free once every consumer warp has finished
       // the wgmmas that read it; the stage is released to the producer once its token part is converted.
-      const int ctid = threadIdx.x - 64;  // 0..63
+      const int ctid = warpgroup == 0 ? threadIdx.x - 64 : threadIdx.x - (128 + kNumConsumerThreads) + 64;
       int stage = 0, b = 0;
       uint32_t phase = 0, bphase = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -533,7 +538,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             // to ~75 %.
             units = (tile_infos[stage].rows * 8 + 31) / 32 * 32;
           }
-          for (int u = ctid; u < units; u += kNumConverterWarps * 32) {
+          for (int u = ctid; u < units; u += R::kConverterWarps * 32) {
             const int n = u / 8, g = (u / 4) % 2, uq = u % 4;  // uq = lane % 4: the quad of (n, g) is 4 lanes
             if constexpr (kFP8Mma) {
               fold_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage) + (row0 & 3), bf,
