@@ -8,11 +8,12 @@
 // Only the float32 factors (NVFP4 per-expert weight global scale, NVFP4 per-token activation global
 // scale) are applied, once, in the epilogue.
 //
-// Warp roles (384 or 640 threads, see Roles): warpgroup 0 = producer: thread 0 issues the TMA loads (packed weights
+// Warp roles (512 or 640 threads, see Roles): warpgroup 0 = producer: thread 0 issues the TMA loads (packed weights
 // 256 rows x 128 bytes = 256 K, 128B-swizzled; the token tile), warp 1 copies the block scales with
 // cp.async: the weights' (rows of K/32 or K/16 bytes: too narrow for TMA) and the tokens' (a 4-byte
 // aligned window of block_m + 4 bytes per K block around the tile's first row, which has any alignment),
-// warps 2-3 convert each stage's token tile into a 128B-swizzled bf16 tile (a ring of kNumBfTiles).
+// warps 2-3 convert each stage's token tile into a 128B-swizzled bf16 tile (a ring of kNumBfTiles); with two
+// consumer warpgroups (block_m 32 / 64) a last warpgroup of four more converter warps joins them.
 // NOTES: the token scales were a plain (unswizzled) TMA box first; that load stopped the H100 with an
 // illegal instruction (2026-11-22), so they take the same cp.async path as the weight scales.
 // The other warpgroups = consumers: two owning 128 weight rows = two 64-row slices each (L1: gate chunk + up
