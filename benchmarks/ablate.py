@@ -105,8 +105,8 @@ PATCHES = {
          " \"l\"(src) : \"memory\");"),
     ],
     "fp4-no-convert": [
-        ("          for (int u = ctid; u < units; u += kNumConverterWarps * 32) {",
-         "          for (int u = ctid; false && u < units; u += kNumConverterWarps * 32) {"),
+        ("          for (int u = ctid; u < units; u += R::kConverterWarps * 32) {",
+         "          for (int u = ctid; false && u < units; u += R::kConverterWarps * 32) {"),
     ],
     "fp4-no-decode": [
         ("  return (x * ((1u << (6 - 4 * pp)) + (1u << (12 - 4 * pp)))) & 0x81C081C0u;",

@@ -90,6 +90,11 @@ struct Roles {
   static constexpr int kConsumerRegs =
       ((kLaunchRegs * kThreads - (kThreads - kConsumerThreads) * kProducerRegs) / kConsumerThreads) / 8 * 8;
   static_assert(kConsumerRegs >= kLaunchRegs && kConsumerRegs <= 256, "register split");
+  static_assert(kProducerRegs <= kLaunchRegs &&
+                    (kThreads - kConsumerThreads) * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536,
+                "register split exceeds the register file");
+  // The converters' thread index: producer warps 2-3 first (64 threads), then the converter warpgroup's 128.
+  static_assert(kConverterWarps * 32 == 64 + (kConverterGroup >= 0 ? 128 : 0), "converter thread mapping");
 };
 constexpr int kScaleWordsBytes = 16;  // weight scale bytes per row per stage in shared memory
 
