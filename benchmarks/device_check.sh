@@ -4,6 +4,8 @@
 #   fp4: the FP4 GPU tests (with the sweep and the exactness test), then the FP4 probe benchmark.
 #   ablate: FP8 GEMM ablation builds with tile traces (ABLATIONS, ABL_MODEL, ABL_TOKENS; see below).
 #   sanitize: SANITIZE_FP8_K / SANITIZE_FP4_K replace the test selections (e.g. SANITIZE_FP8_K=pair_walk).
+#   poison: the FP4 GPU tests (POISON_K, default all of test_gpu_fp4.py) on a build whose converters fill the token
+#   columns past each tile's rows with NaN (MEGAMOE_POISON_STALE_COLUMNS): no stored value may depend on them.
 #   race: racecheck of the FP8 tests RACE_K in one tree per RACE_VARIANTS entry ("none" or ablate.py patches that
 #   keep results exact: sync-scales, fill-scales); hazard summaries in race-<variant>.log; RACE_ARGS go to
 #   compute-sanitizer (e.g. "--racecheck-report hazard": every hazard with its addresses and threads).
@@ -42,7 +44,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$out/gpu.txt"
 
-if [ "$what" != stream ] && [ "$what" != ablate ] && [ "$what" != race ]; then  # these build their own trees (or none)
+if [ "$what" != stream ] && [ "$what" != ablate ] && [ "$what" != race ] && [ "$what" != poison ]; then  # these build their own trees (or none)
   start=$(date +%s)
   python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"
@@ -143,6 +145,12 @@ if has race; then
       >"$out/race-$variant.log" 2>&1
     echo "== race $variant: exit $?; $(grep -c 'Race reported' "$out/race-$variant.log") reports; $(grep 'RACECHECK SUMMARY\|passed\|failed' "$out/race-$variant.log" | tr '\n' ' ')"
   done
+fi
+if has poison; then
+  tree=$(patched_tree none build-poison.log MEGAMOE_NVCC_DEFINES=MEGAMOE_POISON_STALE_COLUMNS) || exit 1
+  sel=(); [ -n "${POISON_K:-}" ] && sel=(-k "$POISON_K")
+  (cd "$tree" && python3 -m pytest tests/test_gpu_fp4.py -q -p no:cacheprovider --maxfail=5 "${sel[@]}") 2>&1 \
+    | tee "$out/poison.log" | tail -5
 fi
 if has sanitize; then
   # Last (slowest): reduced GPU suite under compute-sanitizer (memcheck, racecheck on shared memory). The FP8

@@ -529,6 +529,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       uint32_t phase = 0, bphase = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         int row0 = 0, units = kBlockM * 8;
+#ifdef MEGAMOE_POISON_STALE_COLUMNS
+        int rows = kBlockM;
+#endif
         for (int kb = 0; kb < num_kblocks; ++kb) {
           const int groups = (kb + 1) * kBlockK <= p.k ? 2 : 1;  // 128-K groups in this stage
           uint8_t* bf = bf_tiles + b * S::kTileBF;
@@ -543,17 +546,41 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             // V4-Flash T=2048 ran 18-23 % faster (H100, 2026-11-25), and its 48 rows per expert fill 64-row tiles
             // to ~75 %.
             units = (tile_infos[stage].rows * 8 + 31) / 32 * 32;
+#ifdef MEGAMOE_POISON_STALE_COLUMNS
+            rows = tile_infos[stage].rows;
+#endif
           }
           for (int u = ctid; u < units; u += R::kConverterWarps * 32) {
             const int n = u / 8, g = (u / 4) % 2, uq = u % 4;  // uq = lane % 4: the quad of (n, g) is 4 lanes
+#ifdef MEGAMOE_POISON_STALE_COLUMNS
+            const bool live = n < rows;  // diagnostic build: the columns past the rows get NaN below
+#else
+            constexpr bool live = true;
+#endif
             if constexpr (kFP8Mma) {
               fold_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage) + (row0 & 3), bf,
                                                 reinterpret_cast<float*>(bf + 2 * kBlockM * 128), fold_tables, n, g,
-                                                uq, g < groups);
-            } else if (g < groups) {
+                                                uq, g < groups && live);
+            } else if (g < groups && live) {
               convert_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage) + (row0 & 3), bf, n, g, uq);
             }
           }
+#ifdef MEGAMOE_POISON_STALE_COLUMNS
+          // Diagnostic build (MEGAMOE_NVCC_DEFINES=MEGAMOE_POISON_STALE_COLUMNS, device_check.sh poison): every token
+          // column past the tile's rows holds NaN (0xFF bytes: bf16 and E4M3 NaN; the fold factors float NaN), so the
+          // GPU tests fail if any stored value depends on those columns (the stale-contents argument above).
+          {
+            constexpr int kRowBlocks = kFP8Mma ? 2 : 4;  // [2 groups] of E4M3 rows / [4 atoms] of bf16 rows
+            for (int c = ctid; c < kRowBlocks * (kBlockM - rows) * 8; c += R::kConverterWarps * 32) {
+              const int blk = c / ((kBlockM - rows) * 8), n = rows + (c / 8) % (kBlockM - rows);
+              reinterpret_cast<uint4*>(bf + (blk * kBlockM + n) * 128)[c % 8] = make_uint4(~0u, ~0u, ~0u, ~0u);
+            }
+            if constexpr (kFP8Mma)
+              for (int c = ctid; c < 2 * (kBlockM - rows); c += R::kConverterWarps * 32)
+                reinterpret_cast<uint32_t*>(bf + 2 * kBlockM * 128)[(c / (kBlockM - rows)) * kBlockM + rows +
+                                                                     c % (kBlockM - rows)] = ~0u;
+          }
+#endif
           ptx::fence_proxy_async_shared();  // generic-proxy writes -> the wgmmas (async proxy)
           ptx::mbarrier_arrive(&bf_full[b]);
           __syncwarp();
