@@ -23,6 +23,8 @@ FP4 kernel (docs/perf-notes.md: its decode tiles run at 1.2-1.3x the weight-byte
   fp4-no-decode      the consumers' E2M1 bit placement becomes one XOR per register (BF16 path: mask, IMAD, mask per
                      bf16 pair; FP8-wgmma path: the PRMT table lookups and sign spreading); the scale multiply stays
   fp4-no-weight-tma  no weight tile (its bytes leave the stage's expect_tx; scales still copied)
+  fp4-no-mma         no wgmma: each decoded A fragment is folded into the accumulator by XORs and one add (keeps the
+                     decode live), so the tensor pipe is idle (is the register-A wgmma the prefill limit?)
 
     python3 benchmarks/ablate.py TREE no-scales[,no-token-tma,...]
     e.g. on the device: AB_VARIANTS=".ab/main .ab/abl-scales" bash benchmarks/ab.sh (no AB_TESTS for these trees)
@@ -119,6 +121,13 @@ PATCHES = {
         ("          uint32_t bytes = S::kTileA;", "          uint32_t bytes = 0 * S::kTileA;"),
         ("          ptx::tma_load_2d(tile_a(stage), &tmap_weights,",
          "          if (false) ptx::tma_load_2d(tile_a(stage), &tmap_weights,"),
+    ],
+    "fp4-no-mma": [
+        ("            MmaFP8::run(part, a8[s], ptx::smem_desc_sw128(bf_desc_lo + (g * kBlockM * 128 + s * 32) / 16), s > 0);",
+         "            part[s] = __uint_as_float(a8[s][0] ^ a8[s][1] ^ a8[s][2] ^ a8[s][3]) + (s > 0 ? part[s] : 0.0f);\n"
+         "          for (int i = 4; i < kRegs; ++i) part[i] = part[i % 4];"),
+        ("        for (int s = 0; s < 8; ++s) Mma::run(acc[ls], a[s], desc_b[s]);",
+         "        for (int s = 0; s < 8; ++s) acc[ls][s] += __uint_as_float(a[s][0] ^ a[s][1] ^ a[s][2] ^ a[s][3] ^ uint32_t(desc_b[s]));"),
     ],
 }
 
