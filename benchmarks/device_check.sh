@@ -85,6 +85,9 @@ if has ncu; then
     ncu -i "$rep.ncu-rep" --page details >"$rep-details.txt" 2>&1
     ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep-sass.csv" 2>&1
     grep -E "Duration|Issued Warp|Eligible|Active Warps|No Eligible|DRAM Throughput|Compute \(SM\)" "$rep-details.txt"
+    # At most 8 files come back from a device call: keep the text, drop the binary report unless NCU_KEEP_REP=1.
+    gzip -f "$rep-sass.csv"
+    [ "${NCU_KEEP_REP:-0}" = 1 ] || rm -f "$rep.ncu-rep" "$rep.log"
   done
 fi
 if has ep; then

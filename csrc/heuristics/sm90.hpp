@@ -112,7 +112,8 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
 // an H200 (2026-11-23, docs/bench/h200-2026-11-23-ab-mxfp4-fp8mma-*.json): with MXFP4 tokens (w4a4) -5 to -7 %
 // at T=16-512, -3 to -4 % at T=1, within 2 % at 2048-8192 (two runs); with FP8 tokens (w4a8) +10 % at decode and
 // +30-50 % at prefill (the consumers' per-group scale chain and the converters' fold of every weight tile's
-// tokens: docs/perf-notes.md, eighth session), so the default takes it for MXFP4 tokens only.
+// tokens: docs/perf-notes.md, eighth session), so the default takes it for MXFP4 tokens only. Again with FP8 tokens
+// after the converter warpgroup (H100, 2026-11-25, V4-Flash): +8 % / +11 % at T=2048 / 8192 in a graph.
 // MEGAMOE_MXFP4_FP8MMA=1 / =0 (read per call) forces it on / off for both.
 inline bool choose_mxfp4_fp8_mma(bool mxfp4_acts) {
   const char* env = std::getenv("MEGAMOE_MXFP4_FP8MMA");
