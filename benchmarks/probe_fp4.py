@@ -1,0 +1,195 @@
+"""Ceiling probe of the FP4 kernel's consumer loop (BF16 path, block_m 64): how fast can the consumers decode MXFP4
+weights into wgmma A fragments and multiply, with everything already in shared memory? (METHOD.md: measure the
+ceiling before optimising against it.)
+
+The FP4 grouped GEMM at V4-Flash T=2048 spends ~5,100 cycles per 256-K stage of a 256 x 64 tile (ncu, H100,
+2026-11-25: 4M MACs per stage, 2,048 cycles at the dense BF16 rate), and no single ablation explains it
+(docs/perf-notes.md, eighteenth session). This probe runs only the consumers' stage loop, with the kernel's own
+decode (kernels::fp4::decode_weights) and register-A wgmmas (m64n64k16, B = a bf16 token tile), on data that never
+changes: no producer, no converters, no barriers. Modes:
+  full        decode + wgmmas, waiting for the unit's wgmmas before the next decode (the kernel's loop)
+  mma-wait    the same wgmmas and waits, fragments never rewritten (no decode)
+  decode      the decode only, each fragment folded into the accumulator by XORs (no wgmma)
+  mma-stream  wgmmas only, one wait per stage (the register-A wgmma rate)
+with two consumer warpgroups (two 64-row slices each, as the kernel). NOTES: four consumer warpgroups (one slice each)
+compile to serialised wgmmas here (ptxas C7512: the 96 registers of a 640-thread launch); the kernel's own
+four-consumer L2 variant did not, and was measured directly (docs/perf-notes.md, eighteenth session).
+
+    python3 benchmarks/probe_fp4.py [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+# As setup.py does: an nvcc wrapper outside the toolkit on PATH makes torch guess /usr/local as CUDA_HOME.
+if not os.environ.get("CUDA_HOME") and os.path.exists("/usr/local/cuda/include/cuda_runtime_api.h"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import torch  # noqa: E402  (after CUDA_HOME: cpp_extension reads it at import)
+from torch.utils.cpp_extension import load_inline  # noqa: E402
+
+import bench_utils as bu  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+CUDA_SRC = r"""
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+#include <torch/extension.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include "kernels/sm90_fp4_grouped_gemm.cuh"
+
+namespace ptx = megamoe::ptx;
+namespace fp4 = megamoe::kernels::fp4;
+constexpr int kBlockM = 64, kStages = 2;
+constexpr int kTileA = 256 * 128, kTileSW = 256 * 16, kStage = kTileA + kTileSW, kTileBF = kBlockM * 256 * 2;
+constexpr int kSmem = kStages * kStage + kTileBF + 1024;
+
+// kMode: 0 full, 1 mma-wait, 2 decode, 3 mma-stream (see the file comment).
+template <int kConsumers, int kMode>
+__global__ void __launch_bounds__(128 * (kConsumers + 1), 1) probe_kernel(int iters, int64_t* cycles) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kSlices = 4 / kConsumers;
+  constexpr int kThreads = 128 * (kConsumers + 1);
+  constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  constexpr int kConsumerRegs = ((kLaunchRegs * kThreads - 128 * 40) / (128 * kConsumers)) / 8 * 8;
+  using Mma = ptx::WgmmaBF16RS<kBlockM>;
+  constexpr int kRegs = Mma::kNumRegs;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* bf = smem + kStages * kStage;
+  for (int s = 0; s < kStages; ++s) {
+    for (int i = threadIdx.x; i < kTileA / 4; i += blockDim.x)  // arbitrary E2M1 codes
+      reinterpret_cast<uint32_t*>(smem + s * kStage)[i] = (uint32_t(i + s) * 2654435761u);
+    for (int i = threadIdx.x; i < kTileSW; i += blockDim.x) smem[s * kStage + kTileA + i] = 120;  // UE8M0 2^-7
+  }
+  for (int i = threadIdx.x; i < kTileBF / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(bf)[i] = 0x3F803F80u;
+  ptx::fence_proxy_async_shared();
+  __syncthreads();
+  const int warpgroup = threadIdx.x / 128, lane = threadIdx.x % 32;
+  if (warpgroup == 0) {
+    ptx::setmaxnreg_dec<40>();
+    return;
+  }
+  ptx::setmaxnreg_inc<kConsumerRegs>();
+  const int consumer = warpgroup - 1, warp = (threadIdx.x / 32) % 4, q = lane % 4;
+  const int quad_row = warp * 16 + lane / 4;
+  const uint32_t bf_lo = ptx::smem_desc_sw128_lo(bf);
+  float acc[kSlices][kRegs];
+#pragma unroll
+  for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[ls][i] = 0.0f;
+  uint32_t a[8][4];
+#pragma unroll
+  for (int s = 0; s < 8; ++s)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[s][r] = 0x3F803F80u;
+  int64_t start = 0;
+  for (int it = 0; it < iters; ++it) {
+    if (it == 1) start = clock64();
+    const uint8_t* tile_a = smem + (it % kStages) * kStage;
+#pragma unroll
+    for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc[ls][i]);
+#pragma unroll
+    for (int j = 0; j < 2 * kSlices; ++j) {
+      const int g = j / kSlices, ls = j % kSlices;
+      if constexpr (kMode != 3) ptx::wgmma_wait<0>();
+      if constexpr (kMode == 0 || kMode == 2)
+        fp4::decode_weights<false>(a, tile_a, tile_a + kTileA, (kSlices * consumer + ls) * 64 + quad_row, g, q);
+      uint64_t desc_b[8];
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        const int step = 8 * g + s;
+        desc_b[s] = ptx::smem_desc_sw128(bf_lo + ((step / 4) * kBlockM * 128 + (step % 4) * 32) / 16);
+      }
+      fp4::fence_fragment(a);
+      if constexpr (kMode == 2) {
+#pragma unroll
+        for (int s = 0; s < 8; ++s)
+          acc[ls][s] += __uint_as_float(a[s][0] ^ a[s][1] ^ a[s][2] ^ a[s][3] ^ uint32_t(desc_b[s]));
+      } else {
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 8; ++s) Mma::run(acc[ls], a[s], desc_b[s]);
+        ptx::wgmma_commit();
+      }
+    }
+    if constexpr (kMode == 3) ptx::wgmma_wait<0>();
+  }
+  ptx::wgmma_wait<0>();
+  const int64_t end = clock64();
+  float sum = 0.0f;
+#pragma unroll
+  for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) sum += acc[ls][i];
+  if (threadIdx.x == 128) cycles[blockIdx.x] = end - start + (sum == 12345.0f);  // keeps the accumulators live
+#endif
+}
+
+template <int kConsumers, int kMode>
+void launch(int64_t ctas, int64_t iters, torch::Tensor cycles) {
+  auto kernel = probe_kernel<kConsumers, kMode>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  kernel<<<ctas, 128 * (kConsumers + 1), kSmem, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters),
+                                                                                     cycles.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void probe(int64_t consumers, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles) {
+#define MEGAMOE_PROBE_CASE(C, M) if (consumers == C && mode == M) return launch<C, M>(ctas, iters, cycles);
+  MEGAMOE_PROBE_CASE(2, 0) MEGAMOE_PROBE_CASE(2, 1) MEGAMOE_PROBE_CASE(2, 2) MEGAMOE_PROBE_CASE(2, 3)
+#undef MEGAMOE_PROBE_CASE
+  TORCH_CHECK(false, "probe: consumers 2, mode 0..3");
+}
+"""
+
+CPP_SRC = "void probe(int64_t consumers, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles);"
+
+MODES = ("full", "mma-wait", "decode", "mma-stream")
+MACS_PER_STAGE = 256 * 256 * 64  # 256 weight rows x 256 K x 64 tokens
+BF16_MACS_PER_CYCLE = 2048  # dense BF16 per SM (H100: 989 TFLOP/s at 1.83 GHz over 132 SMs)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--iters", type=int, default=2000, help="stages per CTA and launch")
+    args = ap.parse_args()
+    root = os.path.join(HERE, "..", "csrc")
+    mod = load_inline("megamoe_probe_fp4", CPP_SRC, cuda_sources=CUDA_SRC, functions=["probe"],
+                      extra_include_paths=[root, os.path.join(root, "include")],
+                      extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr",
+                                         "-gencode=arch=compute_90a,code=sm_90a"], verbose=False)
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    cycles = torch.zeros(sms, dtype=torch.int64, device="cuda")
+    ideal = MACS_PER_STAGE // BF16_MACS_PER_CYCLE
+    print(f"{props.name}: {sms} SMs; cycles per 256-K stage of a 256 x 64 tile ({MACS_PER_STAGE} MACs; "
+          f"{ideal} at the dense BF16 rate), data in shared memory")
+    print(f"{'consumers':>9} {'mode':10} {'cycles/stage':>12} {'x ideal':>7}")
+    rows = []
+    for consumers in (2,):
+        for mode, name in enumerate(MODES):
+            def call():
+                mod.probe(consumers, mode, sms, args.iters, cycles)
+
+            bu.time_events(call, iters=5, flush=False)
+            cyc = cycles.double().median().item() / (args.iters - 1)
+            rows.append(dict(consumers=consumers, mode=name, cycles_per_stage=round(cyc, 1),
+                             over_ideal=round(cyc / ideal, 3)))
+            print(f"{consumers:9d} {name:10} {cyc:12.1f} {cyc / ideal:7.3f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=props.name, iters=args.iters, ideal_cycles=ideal, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
