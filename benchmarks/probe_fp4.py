@@ -6,12 +6,15 @@ The FP4 grouped GEMM at V4-Flash T=2048 spends ~5,100 cycles per 256-K stage of 
 2026-11-25: 4M MACs per stage, 2,048 cycles at the dense BF16 rate), and no single ablation explains it
 (docs/perf-notes.md, eighteenth session). This probe runs only the consumers' stage loop, with the kernel's own
 decode (kernels::fp4::decode_weights) and register-A wgmmas (m64n64k16, B = a bf16 token tile), on data that never
-changes: no producer, no converters, no barriers. Modes:
+changes: no producer, no converters, no barriers (the CTA is the consumer warpgroups alone, so ptxas may give them up
+to 255 registers; the kernel's consumers compile within 128). Modes:
   full        decode + wgmmas, waiting for the unit's wgmmas before the next decode (the kernel's loop)
   mma-wait    the same wgmmas and waits, fragments never rewritten (no decode)
   decode      the decode only, each fragment folded into the accumulator by XORs (no wgmma)
   mma-stream  wgmmas only, one wait per stage (the register-A wgmma rate)
-with two consumer warpgroups (two 64-row slices each, as the kernel). NOTES: four consumer warpgroups (one slice each)
+with two consumer warpgroups, on two tiles of the same MACs per stage: 256 weight rows x 64 tokens (two 64-row slices
+per warpgroup, as the kernel at block_m 64) and 128 weight rows x 128 tokens (one slice each, m64n128k16 wgmmas: half
+the decode per MAC; would the loop then reach the MMA rate?). NOTES: four consumer warpgroups (one slice each)
 compile to serialised wgmmas here (ptxas C7512: the 96 registers of a 640-thread launch); the kernel's own
 four-consumer L2 variant did not, and was measured directly (docs/perf-notes.md, eighteenth session).
 
@@ -34,6 +37,18 @@ import bench_utils as bu  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+def _rs128() -> str:
+    """D[64 x 128] += A[64 x 16] (registers) * B[128 x 16]^T, bf16, float32 accumulate (64 output registers)."""
+    d = ", ".join(f"%{i}" for i in range(64))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(64))
+    return (
+        "struct WgmmaBF16RS128 {\n  static constexpr int kNumRegs = 64;\n"
+        "  __device__ __forceinline__ static void run(float* d, const uint32_t* a, uint64_t desc_b) {\n"
+        f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %69, 0;\\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 '
+        f'{{{d}}}, {{%64, %65, %66, %67}}, %68, p, 1, 1, 0;\\n}}\\n"\n'
+        f'      : {outs}\n      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));\n  }}\n}};\n')
+
+
 CUDA_SRC = r"""
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -45,19 +60,20 @@ CUDA_SRC = r"""
 
 namespace ptx = megamoe::ptx;
 namespace fp4 = megamoe::kernels::fp4;
-constexpr int kBlockM = 64, kStages = 2;
-constexpr int kTileA = 256 * 128, kTileSW = 256 * 16, kStage = kTileA + kTileSW, kTileBF = kBlockM * 256 * 2;
-constexpr int kSmem = kStages * kStage + kTileBF + 1024;
+constexpr int kStages = 2;
+constexpr int kTileA = 256 * 128, kTileSW = 256 * 16, kStage = kTileA + kTileSW;
+constexpr int kSmem(int n) { return kStages * kStage + n * 256 * 2 + 1024; }
+RS128_SRC
+template <int kN> struct Rs { using T = ptx::WgmmaBF16RS<kN>; };
+template <> struct Rs<128> { using T = WgmmaBF16RS128; };
 
-// kMode: 0 full, 1 mma-wait, 2 decode, 3 mma-stream (see the file comment).
-template <int kConsumers, int kMode>
-__global__ void __launch_bounds__(128 * (kConsumers + 1), 1) probe_kernel(int iters, int64_t* cycles) {
+// kMode: 0 full, 1 mma-wait, 2 decode, 3 mma-stream (see the file comment). kN: tokens (the wgmma N); kSlices: 64-row
+// weight slices per consumer warpgroup (the tile has 64 x kConsumers x kSlices weight rows).
+template <int kConsumers, int kN, int kSlices, int kMode>
+__global__ void __launch_bounds__(128 * kConsumers, 1) probe_kernel(int iters, int64_t* cycles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int kSlices = 4 / kConsumers;
-  constexpr int kThreads = 128 * (kConsumers + 1);
-  constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
-  constexpr int kConsumerRegs = ((kLaunchRegs * kThreads - 128 * 40) / (128 * kConsumers)) / 8 * 8;
-  using Mma = ptx::WgmmaBF16RS<kBlockM>;
+  constexpr int kBlockM = kN, kTileBF = kN * 256 * 2;
+  using Mma = typename Rs<kN>::T;
   constexpr int kRegs = Mma::kNumRegs;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
@@ -70,13 +86,8 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) probe_kernel(int it
   for (int i = threadIdx.x; i < kTileBF / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(bf)[i] = 0x3F803F80u;
   ptx::fence_proxy_async_shared();
   __syncthreads();
-  const int warpgroup = threadIdx.x / 128, lane = threadIdx.x % 32;
-  if (warpgroup == 0) {
-    ptx::setmaxnreg_dec<40>();
-    return;
-  }
-  ptx::setmaxnreg_inc<kConsumerRegs>();
-  const int consumer = warpgroup - 1, warp = (threadIdx.x / 32) % 4, q = lane % 4;
+  const int lane = threadIdx.x % 32;
+  const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, q = lane % 4;
   const int quad_row = warp * 16 + lane / 4;
   const uint32_t bf_lo = ptx::smem_desc_sw128_lo(bf);
   float acc[kSlices][kRegs];
@@ -93,6 +104,9 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) probe_kernel(int it
   for (int it = 0; it < iters; ++it) {
     if (it == 1) start = clock64();
     const uint8_t* tile_a = smem + (it % kStages) * kStage;
+    // The first group's wait, before the accumulator fences (with 64 accumulator registers ptxas otherwise
+    // serialises the wgmmas, C7514); the loop below waits again at no cost.
+    if constexpr (kMode != 3) ptx::wgmma_wait<0>();
 #pragma unroll
     for (int ls = 0; ls < kSlices; ++ls)
 #pragma unroll
@@ -119,42 +133,56 @@ __global__ void __launch_bounds__(128 * (kConsumers + 1), 1) probe_kernel(int it
 #pragma unroll
         for (int s = 0; s < 8; ++s) Mma::run(acc[ls], a[s], desc_b[s]);
         ptx::wgmma_commit();
+        // Every fragment stays live (read, not written) past the commit: otherwise ptxas gives all eight the same
+        // four registers at N = 128 and waits for each wgmma before decoding the next fragment into them.
+#pragma unroll
+        for (int s = 0; s < 8; ++s)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) asm volatile("" ::"r"(a[s][r]));
       }
     }
     if constexpr (kMode == 3) ptx::wgmma_wait<0>();
   }
   ptx::wgmma_wait<0>();
   const int64_t end = clock64();
-  float sum = 0.0f;
+  if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
+  // Keeps the wgmmas (ptxas drops those whose accumulators are never read); iters is never negative.
+  if (iters < 0) {
 #pragma unroll
-  for (int ls = 0; ls < kSlices; ++ls)
+    for (int ls = 0; ls < kSlices; ++ls)
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) sum += acc[ls][i];
-  if (threadIdx.x == 128) cycles[blockIdx.x] = end - start + (sum == 12345.0f);  // keeps the accumulators live
+      for (int i = 0; i < kRegs; ++i) cycles[(ls * kRegs + i) * blockDim.x + threadIdx.x] = int64_t(acc[ls][i]);
+  }
 #endif
 }
 
-template <int kConsumers, int kMode>
+template <int kConsumers, int kN, int kSlices, int kMode>
 void launch(int64_t ctas, int64_t iters, torch::Tensor cycles) {
-  auto kernel = probe_kernel<kConsumers, kMode>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  kernel<<<ctas, 128 * (kConsumers + 1), kSmem, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters),
-                                                                                     cycles.data_ptr<int64_t>());
+  auto kernel = probe_kernel<kConsumers, kN, kSlices, kMode>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem(kN));
+  kernel<<<ctas, 128 * kConsumers, kSmem(kN), c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters),
+                                                                                         cycles.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void probe(int64_t consumers, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles) {
-#define MEGAMOE_PROBE_CASE(C, M) if (consumers == C && mode == M) return launch<C, M>(ctas, iters, cycles);
-  MEGAMOE_PROBE_CASE(2, 0) MEGAMOE_PROBE_CASE(2, 1) MEGAMOE_PROBE_CASE(2, 2) MEGAMOE_PROBE_CASE(2, 3)
+// tile 0: 256 weight rows x 64 tokens (the kernel's block_m 64); 1: 128 rows x 128 tokens (the same MACs per stage,
+// half the decode per MAC).
+void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles) {
+#define MEGAMOE_PROBE_CASE(T, N, SL, M) if (tile == T && mode == M) return launch<2, N, SL, M>(ctas, iters, cycles);
+  MEGAMOE_PROBE_CASE(0, 64, 2, 0) MEGAMOE_PROBE_CASE(0, 64, 2, 1) MEGAMOE_PROBE_CASE(0, 64, 2, 2)
+  MEGAMOE_PROBE_CASE(0, 64, 2, 3) MEGAMOE_PROBE_CASE(1, 128, 1, 0) MEGAMOE_PROBE_CASE(1, 128, 1, 1)
+  MEGAMOE_PROBE_CASE(1, 128, 1, 3)
 #undef MEGAMOE_PROBE_CASE
-  TORCH_CHECK(false, "probe: consumers 2, mode 0..3");
+  TORCH_CHECK(false, "probe: no case for tile ", tile, ", mode ", mode);
 }
 """
 
-CPP_SRC = "void probe(int64_t consumers, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles);"
+CUDA_SRC = CUDA_SRC.replace("RS128_SRC", _rs128())
+CPP_SRC = "void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles);"
 
 MODES = ("full", "mma-wait", "decode", "mma-stream")
-MACS_PER_STAGE = 256 * 256 * 64  # 256 weight rows x 256 K x 64 tokens
+MACS_PER_STAGE = 256 * 256 * 64  # 256 weight rows x 256 K x 64 tokens, or 128 x 256 x 128
+TILES = ((0, "256x64", (0, 1, 2, 3)), (1, "128x128", (0, 1, 3)))
 BF16_MACS_PER_CYCLE = 2048  # dense BF16 per SM (H100: 989 TFLOP/s at 1.83 GHz over 132 SMs)
 
 
@@ -174,18 +202,18 @@ def main():
     ideal = MACS_PER_STAGE // BF16_MACS_PER_CYCLE
     print(f"{props.name}: {sms} SMs; cycles per 256-K stage of a 256 x 64 tile ({MACS_PER_STAGE} MACs; "
           f"{ideal} at the dense BF16 rate), data in shared memory")
-    print(f"{'consumers':>9} {'mode':10} {'cycles/stage':>12} {'x ideal':>7}")
+    print(f"{'tile':8} {'mode':10} {'cycles/stage':>12} {'x ideal':>7}")
     rows = []
-    for consumers in (2,):
-        for mode, name in enumerate(MODES):
+    for tile, tile_name, modes in TILES:
+        for mode in modes:
             def call():
-                mod.probe(consumers, mode, sms, args.iters, cycles)
+                mod.probe(tile, mode, sms, args.iters, cycles)
 
             bu.time_events(call, iters=5, flush=False)
             cyc = cycles.double().median().item() / (args.iters - 1)
-            rows.append(dict(consumers=consumers, mode=name, cycles_per_stage=round(cyc, 1),
+            rows.append(dict(tile=tile_name, consumers=2, mode=MODES[mode], cycles_per_stage=round(cyc, 1),
                              over_ideal=round(cyc / ideal, 3)))
-            print(f"{consumers:9d} {name:10} {cyc:12.1f} {cyc / ideal:7.3f}", flush=True)
+            print(f"{tile_name:8} {MODES[mode]:10} {cyc:12.1f} {cyc / ideal:7.3f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=props.name, iters=args.iters, ideal_cycles=ideal, rows=rows), f, indent=1)
