@@ -73,12 +73,13 @@ constexpr int kBlockK = 256;  // K per stage (128 packed bytes per weight row)
 // block_m 32 and 64: two, two slices each (with four, block_m 32 spilled under the 96 registers a thread
 // gets at launch, which is what ptxas allocates for).
 // NOTES: four consumer warpgroups in L2 at block_m 32 / 64 (no spill there; 640 threads with two converter warps, or
-// 768 with the converter warpgroup) were 2-8 % / 0-6 % slower at V4-Flash T=2048 / 8192 (H100, 2026-11-25, in a
+// 768 with the converter warpgroup) were 3-7 % / 0-6 % slower at V4-Flash T=2048 and 8192 (H100, 2026-11-25, in a
 // graph; docs/bench/h100-2026-11-25g-ab-l2-four-consumers-rejected.json): more consumer warps per scheduler did not
 // hide the consumers' decode -> wgmma -> wait chain there.
 // Converter warps (token tile -> bf16 / E4M3 tile): producer warps 2-3, and with two consumer warpgroups a fourth
 // warpgroup of four more after the consumers. NOTES: at prefill block sizes the two converter warps bounded the
-// stage: without any conversion (ablate.py fp4-no-convert) V4-Flash T=2048 ran 18-23 % faster (H100, 2026-11-25).
+// stage: without any conversion (ablate.py fp4-no-convert) V4-Flash T=2048 ran 18-23 % faster (H100, 2026-11-25);
+// with the converter warpgroup, 2-9 % faster at T=2048 / 8192 (same day, docs/bench/h100-2026-11-25g-ab-fp4-no-convert.json).
 template <int kBlockM>
 struct Roles {
   static constexpr int kConsumers = kBlockM <= 16 ? 4 : 2;
