@@ -12,6 +12,8 @@ to 255 registers; the kernel launches at 128 and raises its consumers with setma
   mma-wait    the same wgmmas and waits, fragments never rewritten (no decode)
   decode      the decode only, each fragment folded into the accumulator by XORs (no wgmma)
   mma-stream  wgmmas only, one wait per stage (the register-A wgmma rate)
+  full+conv   full, plus a converter warpgroup converting an FP8 token tile (the kernel's convert_token_unit) into a
+              ring of two bf16 tiles each stage, with the kernel's bf_full / bf_empty hand-off (256 x 64 tile only)
 with two consumer warpgroups, on two tiles of the same MACs per stage: 256 weight rows x 64 tokens (two 64-row slices
 per warpgroup, as the kernel at block_m 64) and 128 weight rows x 128 tokens (one slice each, m64n128k16 wgmmas: half
 the decode per MAC; would the loop then reach the MMA rate?). NOTES: four consumer warpgroups (one slice each)
@@ -62,16 +64,22 @@ namespace ptx = megamoe::ptx;
 namespace fp4 = megamoe::kernels::fp4;
 constexpr int kStages = 2;
 constexpr int kTileA = 256 * 128, kTileSW = 256 * 16, kStage = kTileA + kTileSW;
-constexpr int kSmem(int n) { return kStages * kStage + n * 256 * 2 + 1024; }
+// Converter mode: a second bf16 tile (the ring of two), the raw FP8 token tile, its scales, four mbarriers.
+constexpr int kTokenRaw(int n) { return n * 256; }
+constexpr int kTokenSF(int n) { return 8 * (n + 4); }
+constexpr int kSmem(int n, bool conv) {
+  return kStages * kStage + (conv ? 2 : 1) * n * 256 * 2 + (conv ? kTokenRaw(n) + 1024 : 0) + 1024;
+}
 RS128_SRC
 template <int kN> struct Rs { using T = ptx::WgmmaBF16RS<kN>; };
 template <> struct Rs<128> { using T = WgmmaBF16RS128; };
 
-// kMode: 0 full, 1 mma-wait, 2 decode, 3 mma-stream (see the file comment). kN: tokens (the wgmma N); kSlices: 64-row
-// weight slices per consumer warpgroup (the tile has 64 x kConsumers x kSlices weight rows).
+// kMode: 0 full, 1 mma-wait, 2 decode, 3 mma-stream, 4 full with converters (see the file comment). kN: tokens (the
+// wgmma N); kSlices: 64-row weight slices per consumer warpgroup (the tile has 64 x kConsumers x kSlices weight rows).
 template <int kConsumers, int kN, int kSlices, int kMode>
-__global__ void __launch_bounds__(128 * kConsumers, 1) probe_kernel(int iters, int64_t* cycles) {
+__global__ void __launch_bounds__(128 * (kConsumers + (kMode == 4)), 1) probe_kernel(int iters, int64_t* cycles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kConv = kMode == 4;
   constexpr int kBlockM = kN, kTileBF = kN * 256 * 2;
   using Mma = typename Rs<kN>::T;
   constexpr int kRegs = Mma::kNumRegs;
@@ -83,9 +91,38 @@ __global__ void __launch_bounds__(128 * kConsumers, 1) probe_kernel(int iters, i
       reinterpret_cast<uint32_t*>(smem + s * kStage)[i] = (uint32_t(i + s) * 2654435761u);
     for (int i = threadIdx.x; i < kTileSW; i += blockDim.x) smem[s * kStage + kTileA + i] = 120;  // UE8M0 2^-7
   }
-  for (int i = threadIdx.x; i < kTileBF / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(bf)[i] = 0x3F803F80u;
+  for (int i = threadIdx.x; i < (kConv ? 2 : 1) * kTileBF / 4; i += blockDim.x)
+    reinterpret_cast<uint32_t*>(bf)[i] = 0x3F803F80u;
+  uint8_t* raw = bf + 2 * kTileBF;                      // FP8 token tile [2 groups][kN rows][128 bytes]
+  uint8_t* sfa = raw + kTokenRaw(kN);                   // token scales [8 blocks][kN + 4]
+  uint64_t* bf_full = reinterpret_cast<uint64_t*>(sfa + kTokenSF(kN) + 64 - kTokenSF(kN) % 64);
+  uint64_t* bf_empty = bf_full + 2;
+  if constexpr (kConv) {
+    for (int i = threadIdx.x; i < kTokenRaw(kN) / 4; i += blockDim.x)  // finite E4M3 bytes (no exponent 15)
+      reinterpret_cast<uint32_t*>(raw)[i] = (uint32_t(i) * 2654435761u) & 0x77777777u;
+    for (int i = threadIdx.x; i < kTokenSF(kN); i += blockDim.x) sfa[i] = 120;
+  }
+  if (kConv && threadIdx.x == 0) {
+    for (int b = 0; b < 2; ++b) ptx::mbarrier_init(&bf_full[b], 128), ptx::mbarrier_init(&bf_empty[b], 4 * kConsumers);
+    ptx::fence_barrier_init();
+  }
   ptx::fence_proxy_async_shared();
   __syncthreads();
+  if (kConv && threadIdx.x >= 128 * kConsumers) {
+    // The converter warpgroup, as the kernel's converters: bf16 tile b is free once every consumer warp has
+    // finished the wgmmas that read it; it is full once all 128 converter threads have written their units.
+    const int ctid = threadIdx.x - 128 * kConsumers;
+    for (int it = 0; it < iters; ++it) {
+      const int b = it % 2;
+      ptx::mbarrier_wait(&bf_empty[b], ((it / 2) & 1) ^ 1);
+      for (int u = ctid; u < kN * 8; u += 128)
+        fp4::convert_token_unit<kN, megamoe::ActRecipe::kFP8UE8M0Block32>(raw, sfa, bf + b * kTileBF, u / 8,
+                                                                          (u / 4) % 2, u % 4);
+      ptx::fence_proxy_async_shared();
+      ptx::mbarrier_arrive(&bf_full[b]);
+    }
+    return;
+  }
   const int lane = threadIdx.x % 32;
   const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, q = lane % 4;
   const int quad_row = warp * 16 + lane / 4;
@@ -107,6 +144,15 @@ __global__ void __launch_bounds__(128 * kConsumers, 1) probe_kernel(int iters, i
     // The first group's wait, before the accumulator fences (with 64 accumulator registers ptxas otherwise
     // serialises the wgmmas, C7514); the loop below waits again at no cost.
     if constexpr (kMode != 3) ptx::wgmma_wait<0>();
+    const int b = kConv ? it % 2 : 0;
+    if constexpr (kConv) {
+      // Every wgmma of the previous stage has finished (the wait above): its bf16 tile goes back to the converters.
+      if (it > 0) {
+        __syncwarp();
+        if (lane == 0) ptx::mbarrier_arrive(&bf_empty[b ^ 1]);
+      }
+      ptx::mbarrier_wait(&bf_full[b], (it / 2) & 1);
+    }
 #pragma unroll
     for (int ls = 0; ls < kSlices; ++ls)
 #pragma unroll
@@ -115,13 +161,13 @@ __global__ void __launch_bounds__(128 * kConsumers, 1) probe_kernel(int iters, i
     for (int j = 0; j < 2 * kSlices; ++j) {
       const int g = j / kSlices, ls = j % kSlices;
       if constexpr (kMode != 3) ptx::wgmma_wait<0>();
-      if constexpr (kMode == 0 || kMode == 2)
+      if constexpr (kMode == 0 || kMode == 2 || kMode == 4)
         fp4::decode_weights<false>(a, tile_a, tile_a + kTileA, (kSlices * consumer + ls) * 64 + quad_row, g, q);
       uint64_t desc_b[8];
 #pragma unroll
       for (int s = 0; s < 8; ++s) {
         const int step = 8 * g + s;
-        desc_b[s] = ptx::smem_desc_sw128(bf_lo + ((step / 4) * kBlockM * 128 + (step % 4) * 32) / 16);
+        desc_b[s] = ptx::smem_desc_sw128(bf_lo + (b * kTileBF + (step / 4) * kBlockM * 128 + (step % 4) * 32) / 16);
       }
       fp4::fence_fragment(a);
       if constexpr (kMode == 2) {
@@ -159,8 +205,10 @@ __global__ void __launch_bounds__(128 * kConsumers, 1) probe_kernel(int iters, i
 template <int kConsumers, int kN, int kSlices, int kMode>
 void launch(int64_t ctas, int64_t iters, torch::Tensor cycles) {
   auto kernel = probe_kernel<kConsumers, kN, kSlices, kMode>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem(kN));
-  kernel<<<ctas, 128 * kConsumers, kSmem(kN), c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters),
+  constexpr int kBytes = kSmem(kN, kMode == 4);
+  static_assert(kBytes <= 227 * 1024, "probe: shared memory");
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+  kernel<<<ctas, 128 * (kConsumers + (kMode == 4)), kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters),
                                                                                          cycles.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -170,7 +218,7 @@ void launch(int64_t ctas, int64_t iters, torch::Tensor cycles) {
 void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles) {
 #define MEGAMOE_PROBE_CASE(T, N, SL, M) if (tile == T && mode == M) return launch<2, N, SL, M>(ctas, iters, cycles);
   MEGAMOE_PROBE_CASE(0, 64, 2, 0) MEGAMOE_PROBE_CASE(0, 64, 2, 1) MEGAMOE_PROBE_CASE(0, 64, 2, 2)
-  MEGAMOE_PROBE_CASE(0, 64, 2, 3) MEGAMOE_PROBE_CASE(1, 128, 1, 0) MEGAMOE_PROBE_CASE(1, 128, 1, 1)
+  MEGAMOE_PROBE_CASE(0, 64, 2, 3) MEGAMOE_PROBE_CASE(0, 64, 2, 4) MEGAMOE_PROBE_CASE(1, 128, 1, 0) MEGAMOE_PROBE_CASE(1, 128, 1, 1)
   MEGAMOE_PROBE_CASE(1, 128, 1, 3)
 #undef MEGAMOE_PROBE_CASE
   TORCH_CHECK(false, "probe: no case for tile ", tile, ", mode ", mode);
@@ -180,9 +228,9 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
 CUDA_SRC = CUDA_SRC.replace("RS128_SRC", _rs128())
 CPP_SRC = "void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles);"
 
-MODES = ("full", "mma-wait", "decode", "mma-stream")
+MODES = ("full", "mma-wait", "decode", "mma-stream", "full+conv")
 MACS_PER_STAGE = 256 * 256 * 64  # 256 weight rows x 256 K x 64 tokens, or 128 x 256 x 128
-TILES = ((0, "256x64", (0, 1, 2, 3)), (1, "128x128", (0, 1, 3)))
+TILES = ((0, "256x64", (0, 1, 2, 3, 4)), (1, "128x128", (0, 1, 3)))
 BF16_MACS_PER_CYCLE = 2048  # dense BF16 per SM (H100: 989 TFLOP/s at 1.83 GHz over 132 SMs)
 
 
