@@ -1,6 +1,6 @@
 """CPU checks of the device-side diagnostic tools, so they still fit the kernel when a device session needs them:
-every ablate.py patch applies to the current kernel sources (each original text once), and tile_trace.py
-parses its trace lines with and without the clock fields."""
+every ablate.py patch applies to the current kernel sources (each original text once), tile_trace.py
+parses its trace lines with and without the clock fields, and probe_fp4.py's generated source fits the kernel."""
 from __future__ import annotations
 
 import importlib.util
@@ -87,3 +87,25 @@ def test_tile_trace_walk_totals():
     assert out["l2"]["epilogue_phases_per_tile_us"] == pytest.approx({"stage": 0.6, "copy-out": 0.2, "rest": 0.2})
     # CTA 0: 40 µs after its entry, 40 accounted; CTA 1: 18 after its entry, 15 accounted -> 1.5 µs mean end wait
     assert out["end_wait_us"] == 1.5 and out["late_entry_us"] == 1.0
+
+
+def test_probe_fp4_source_fits_the_kernel():
+    """probe_fp4.py builds its CUDA source on the GPU machine only: check here that the generated m64n128k16 wrapper
+    is whole (64 accumulators, 4 A registers, the descriptor and the scale flag) and that the kernel-header
+    functions the probe calls still exist under those names."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        probe = load_tool("probe_fp4")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    src = probe.CUDA_SRC
+    assert "RS128_SRC" not in src
+    wrapper = src[src.index("struct WgmmaBF16RS128"):src.index("template <int kN> struct Rs")]
+    assert wrapper.count('"+f"(d[') == 64
+    assert "{%64, %65, %66, %67}, %68, p, 1, 1, 0" in wrapper and "setp.ne.b32 p, %69, 0" in wrapper
+    header = (ROOT / "csrc" / "kernels" / "sm90_fp4_grouped_gemm.cuh").read_text()
+    for name in ("void decode_weights(", "void convert_token_unit(", "void fence_fragment("):
+        assert name in header, name
+    assert set(probe.MODES) >= {"full", "mma-wait", "decode", "mma-stream", "full+conv"}
