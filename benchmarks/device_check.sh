@@ -13,6 +13,7 @@
 #   CLOCK_MODEL (V4-Flash), FP8, no peer: clocks.csv, clocks.log.
 #   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below).
 #   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py).
+#   probe: the FP4 consumer-loop probe (probe_fp4.py: decode + register-A wgmmas in shared memory; no extension build).
 #   ep: expert parallelism on every GPU of the machine: tests/test_ep.py (EP_FORMATS, default fp8:fp8) then bench_ep.py
 #   (V4-Flash, --formats EP_BENCH_FORMATS, default fp8), once per setting in EP_SETTINGS (space-separated, each
 #   "-" or a comma list of VAR=VALUE, e.g. "- MEGAMOE_FP8_FUSED=1"; EP_TESTS=0 / EP_BENCH=0 skip a step; EP_BENCH_ARGS, e.g. "--alt-env MEGAMOE_FP8_FUSED=1", go to bench_ep.py); logs in ep.log, rows in ep-<setting>.json.
@@ -44,7 +45,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$out/gpu.txt"
 
-if [ "$what" != stream ] && [ "$what" != ablate ] && [ "$what" != race ] && [ "$what" != poison ]; then  # these build their own trees (or none)
+if [ "$what" != stream ] && [ "$what" != ablate ] && [ "$what" != race ] && [ "$what" != poison ] && [ "$what" != probe ]; then  # these build their own trees (or none)
   start=$(date +%s)
   python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"
@@ -89,6 +90,9 @@ if has ncu; then
     gzip -f "$rep-sass.csv"
     [ "${NCU_KEEP_REP:-0}" = 1 ] || rm -f "$rep.ncu-rep" "$rep.log"
   done
+fi
+if has probe; then
+  (cd benchmarks && python3 probe_fp4.py --json "$out/probe-fp4.json") 2>&1 | grep -v "warning\|module\|^ *$\|\^" | tee "$out/probe-fp4.log"
 fi
 if has ep; then
   ngpu=$(nvidia-smi -L | wc -l)
