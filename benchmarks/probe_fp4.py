@@ -7,13 +7,15 @@ The FP4 grouped GEMM at V4-Flash T=2048 spends ~5,100 cycles per 256-K stage of 
 (docs/perf-notes.md, eighteenth session). This probe runs only the consumers' stage loop, with the kernel's own
 decode (kernels::fp4::decode_weights) and register-A wgmmas (m64n64k16, B = a bf16 token tile), on data that never
 changes: no producer, no converters, no barriers (the CTA is the consumer warpgroups alone, so ptxas may give them up
-to 255 registers; the kernel launches at 128 and raises its consumers with setmaxnreg). Modes:
+to 255 registers; with the converters of full+conv, 448 threads, ptxas allocates 128 and spills 4 bytes, as the
+kernel launches at 128 before setmaxnreg raises its consumers). Modes:
   full        decode + wgmmas, waiting for the unit's wgmmas before the next decode (the kernel's loop)
   mma-wait    the same wgmmas and waits, fragments never rewritten (no decode)
   decode      the decode only, each fragment folded into the accumulator by XORs (no wgmma)
   mma-stream  wgmmas only, one wait per stage (the register-A wgmma rate)
-  full+conv   full, plus a converter warpgroup converting an FP8 token tile (the kernel's convert_token_unit) into a
-              ring of two bf16 tiles each stage, with the kernel's bf_full / bf_empty hand-off (256 x 64 tile only)
+  full+conv   full, plus six converter warps (as the kernel at block_m 64) converting a full 64-row FP8 token tile
+              (the kernel's convert_token_unit) into a ring of two bf16 tiles each stage, with the kernel's
+              bf_full / bf_empty hand-off in the kernel's order (256 x 64 tile only)
 with two consumer warpgroups, on two tiles of the same MACs per stage: 256 weight rows x 64 tokens (two 64-row slices
 per warpgroup, as the kernel at block_m 64) and 128 weight rows x 128 tokens (one slice each, m64n128k16 wgmmas: half
 the decode per MAC; would the loop then reach the MMA rate?). NOTES: four consumer warpgroups (one slice each)
@@ -76,8 +78,10 @@ template <> struct Rs<128> { using T = WgmmaBF16RS128; };
 
 // kMode: 0 full, 1 mma-wait, 2 decode, 3 mma-stream, 4 full with converters (see the file comment). kN: tokens (the
 // wgmma N); kSlices: 64-row weight slices per consumer warpgroup (the tile has 64 x kConsumers x kSlices weight rows).
+constexpr int kConverterThreads = 192;  // six warps, as the kernel's converters at block_m 32 / 64
 template <int kConsumers, int kN, int kSlices, int kMode>
-__global__ void __launch_bounds__(128 * (kConsumers + (kMode == 4)), 1) probe_kernel(int iters, int64_t* cycles) {
+__global__ void __launch_bounds__(128 * kConsumers + (kMode == 4) * kConverterThreads, 1)
+    probe_kernel(int iters, int64_t* cycles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kConv = kMode == 4;
   constexpr int kBlockM = kN, kTileBF = kN * 256 * 2;
@@ -103,19 +107,20 @@ __global__ void __launch_bounds__(128 * (kConsumers + (kMode == 4)), 1) probe_ke
     for (int i = threadIdx.x; i < kTokenSF(kN); i += blockDim.x) sfa[i] = 120;
   }
   if (kConv && threadIdx.x == 0) {
-    for (int b = 0; b < 2; ++b) ptx::mbarrier_init(&bf_full[b], 128), ptx::mbarrier_init(&bf_empty[b], 4 * kConsumers);
+    for (int b = 0; b < 2; ++b)
+      ptx::mbarrier_init(&bf_full[b], kConverterThreads), ptx::mbarrier_init(&bf_empty[b], 4 * kConsumers);
     ptx::fence_barrier_init();
   }
   ptx::fence_proxy_async_shared();
   __syncthreads();
   if (kConv && threadIdx.x >= 128 * kConsumers) {
-    // The converter warpgroup, as the kernel's converters: bf16 tile b is free once every consumer warp has
+    // The converter warps, as the kernel's: bf16 tile b is free once every consumer warp has
     // finished the wgmmas that read it; it is full once all 128 converter threads have written their units.
     const int ctid = threadIdx.x - 128 * kConsumers;
     for (int it = 0; it < iters; ++it) {
       const int b = it % 2;
       ptx::mbarrier_wait(&bf_empty[b], ((it / 2) & 1) ^ 1);
-      for (int u = ctid; u < kN * 8; u += 128)
+      for (int u = ctid; u < kN * 8; u += kConverterThreads)
         fp4::convert_token_unit<kN, megamoe::ActRecipe::kFP8UE8M0Block32>(raw, sfa, bf + b * kTileBF, u / 8,
                                                                           (u / 4) % 2, u % 4);
       ptx::fence_proxy_async_shared();
@@ -142,17 +147,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + (kMode == 4)), 1) probe_ke
     if (it == 1) start = clock64();
     const uint8_t* tile_a = smem + (it % kStages) * kStage;
     // The first group's wait, before the accumulator fences (with 64 accumulator registers ptxas otherwise
-    // serialises the wgmmas, C7514); the loop below waits again at no cost.
-    if constexpr (kMode != 3) ptx::wgmma_wait<0>();
+    // serialises the wgmmas, C7514); the loop below waits again at no cost. With the converters the kernel's order
+    // instead: the stage's bf16 tile first, then (first group) the wait and the previous tile's release.
+    if constexpr (kMode != 3 && !kConv) ptx::wgmma_wait<0>();
     const int b = kConv ? it % 2 : 0;
-    if constexpr (kConv) {
-      // Every wgmma of the previous stage has finished (the wait above): its bf16 tile goes back to the converters.
-      if (it > 0) {
-        __syncwarp();
-        if (lane == 0) ptx::mbarrier_arrive(&bf_empty[b ^ 1]);
-      }
-      ptx::mbarrier_wait(&bf_full[b], (it / 2) & 1);
-    }
+    if constexpr (kConv) ptx::mbarrier_wait(&bf_full[b], (it / 2) & 1);
 #pragma unroll
     for (int ls = 0; ls < kSlices; ++ls)
 #pragma unroll
@@ -161,6 +160,11 @@ __global__ void __launch_bounds__(128 * (kConsumers + (kMode == 4)), 1) probe_ke
     for (int j = 0; j < 2 * kSlices; ++j) {
       const int g = j / kSlices, ls = j % kSlices;
       if constexpr (kMode != 3) ptx::wgmma_wait<0>();
+      if (kConv && j == 0 && it > 0) {
+        // Every wgmma of the previous stage has finished (waited above): its bf16 tile goes back to the converters.
+        __syncwarp();
+        if (lane == 0) ptx::mbarrier_arrive(&bf_empty[b ^ 1]);
+      }
       if constexpr (kMode == 0 || kMode == 2 || kMode == 4)
         fp4::decode_weights<false>(a, tile_a, tile_a + kTileA, (kSlices * consumer + ls) * 64 + quad_row, g, q);
       uint64_t desc_b[8];
@@ -190,6 +194,7 @@ __global__ void __launch_bounds__(128 * (kConsumers + (kMode == 4)), 1) probe_ke
     if constexpr (kMode == 3) ptx::wgmma_wait<0>();
   }
   ptx::wgmma_wait<0>();
+  ptx::named_barrier_sync(1, 128 * kConsumers);  // the slowest consumer warp ends the measurement
   const int64_t end = clock64();
   if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
   // Keeps the wgmmas (ptxas drops those whose accumulators are never read); iters is never negative.
@@ -205,11 +210,12 @@ __global__ void __launch_bounds__(128 * (kConsumers + (kMode == 4)), 1) probe_ke
 template <int kConsumers, int kN, int kSlices, int kMode>
 void launch(int64_t ctas, int64_t iters, torch::Tensor cycles) {
   auto kernel = probe_kernel<kConsumers, kN, kSlices, kMode>;
-  constexpr int kBytes = kSmem(kN, kMode == 4);
+  // At least 114 KB, so that one CTA fits an SM whatever the registers (decode-only mode uses few).
+  constexpr int kBytes = kSmem(kN, kMode == 4) > 114 * 1024 ? kSmem(kN, kMode == 4) : 114 * 1024;
   static_assert(kBytes <= 227 * 1024, "probe: shared memory");
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-  kernel<<<ctas, 128 * (kConsumers + (kMode == 4)), kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters),
-                                                                                         cycles.data_ptr<int64_t>());
+  const int threads = 128 * kConsumers + (kMode == 4) * kConverterThreads;
+  kernel<<<ctas, threads, kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters), cycles.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -239,6 +245,8 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--iters", type=int, default=2000, help="stages per CTA and launch")
     args = ap.parse_args()
+    if args.iters < 2:
+        ap.error("--iters: at least 2 (the first stage is not timed)")
     root = os.path.join(HERE, "..", "csrc")
     mod = load_inline("megamoe_probe_fp4", CPP_SRC, cuda_sources=CUDA_SRC, functions=["probe"],
                       extra_include_paths=[root, os.path.join(root, "include")],
@@ -248,8 +256,8 @@ def main():
     sms = props.multi_processor_count
     cycles = torch.zeros(sms, dtype=torch.int64, device="cuda")
     ideal = MACS_PER_STAGE // BF16_MACS_PER_CYCLE
-    print(f"{props.name}: {sms} SMs; cycles per 256-K stage of a 256 x 64 tile ({MACS_PER_STAGE} MACs; "
-          f"{ideal} at the dense BF16 rate), data in shared memory")
+    print(f"{props.name}: {sms} SMs; cycles per 256-K stage of a 256 x 64 or 128 x 128 tile ({MACS_PER_STAGE} MACs; "
+          f"{ideal} at the dense BF16 rate), data in shared memory; medians over SMs of the slowest consumer warp")
     print(f"{'tile':8} {'mode':10} {'cycles/stage':>12} {'x ideal':>7}")
     rows = []
     for tile, tile_name, modes in TILES:
