@@ -13,7 +13,8 @@
 #   CLOCK_MODEL (V4-Flash), FP8, no peer: clocks.csv, clocks.log.
 #   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below).
 #   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py).
-#   probe: the FP4 consumer-loop probe (probe_fp4.py: decode + register-A wgmmas in shared memory; no extension build).
+#   probe: the FP4 consumer-loop probe (probe_fp4.py: decode + register-A wgmmas in shared memory) and the FP8 loop's
+#   promotion rows (probe_mma.py --scales-only); no extension build.
 #   ep: expert parallelism on every GPU of the machine: tests/test_ep.py (EP_FORMATS, default fp8:fp8) then bench_ep.py
 #   (V4-Flash, --formats EP_BENCH_FORMATS, default fp8), once per setting in EP_SETTINGS (space-separated, each
 #   "-" or a comma list of VAR=VALUE, e.g. "- MEGAMOE_FP8_FUSED=1"; EP_TESTS=0 / EP_BENCH=0 skip a step; EP_BENCH_ARGS, e.g. "--alt-env MEGAMOE_FP8_FUSED=1", go to bench_ep.py); logs in ep.log, rows in ep-<setting>.json.
@@ -93,6 +94,8 @@ if has ncu; then
 fi
 if has probe; then
   (cd benchmarks && python3 probe_fp4.py --json "$out/probe-fp4.json") 2>&1 | grep -v "warning\|module\|^ *$\|\^" | tee "$out/probe-fp4.log"
+  (cd benchmarks && python3 probe_mma.py --scales-only --json "$out/probe-mma-scales.json") 2>&1 \
+    | grep -v "warning\|module\|^ *$\|\^" | tee "$out/probe-mma-scales.log"
 fi
 if has ep; then
   ngpu=$(nvidia-smi -L | wc -l)

@@ -61,8 +61,11 @@ constexpr int kStages = 4, kBlockK = 128;
 // kOnePart (n128 with 2 slices: the 256 x 128 tile, 48 KB and 2^22 MACs per stage): one partial accumulator per
 // warpgroup (64 registers beside the tile's 128), each slice's wgmmas promoted before the next slice's issue; the
 // other warpgroup's wgmmas are meant to cover each promotion (two partials would need 256 registers).
+// kSfc (n64, two partials, promoted): the consumers promote as the kernel does, with the stage's scales from shared
+// memory (their two weight-chunk scales and 16 token-column scales as float2 loads after the full barrier) and one
+// explicit fma per element (part x (weight scale x column scale) + acc), instead of a constant factor.
 template <int kN, int kSlices, bool kPromote, bool kCopy, bool kPair = false, bool kScales = false, int kNoise = 0,
-          bool kOnePart = false>
+          bool kOnePart = false, bool kSfc = false>
 __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t wrap_bytes, int iters,
                                                      int64_t* cycles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -79,6 +82,7 @@ __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t
   // Finite E4M3 bytes (exponent field below 15: no NaN), different per byte.
   for (int i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x)
     reinterpret_cast<uint32_t*>(smem)[i] = (uint32_t(i) * 2654435761u) & 0x77777777u;
+  for (int i = threadIdx.x; i < kStages * 68; i += blockDim.x) scales[i] = 1.0f;  // in smem: finite scales
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s)
       ptx::mbarrier_init(&full[s], kScales ? 33 : 1), ptx::mbarrier_init(&empty[s], kPair ? 16 : 8);
@@ -185,6 +189,23 @@ __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t
       }
       continue;
     }
+    float ws[kSlices], col_sf[kN / 4];
+    if constexpr (kSfc) {
+      static_assert(kN == 64 && kSlices == 2 && kPromote, "kSfc: the kernel's n64 two-partial promotion");
+      const float* sc = scales + s * 68;
+      ws[0] = sc[consumer * 2], ws[1] = sc[consumer * 2 + 1];
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+        const float2 v = *reinterpret_cast<const float2*>(sc + 4 + 8 * j + 2 * (lane % 4));
+        col_sf[2 * j] = v.x, col_sf[2 * j + 1] = v.y;
+      }
+    }
+    auto promote = [&](int sl) {
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i)
+        acc[sl][i] = kSfc ? __fmaf_rn(part[sl][i], ws[sl] * col_sf[(i / 4) * 2 + (i % 2)], acc[sl][i])
+                          : acc[sl][i] + part[sl][i] * scale;
+    };
     ptx::wgmma_fence();
 #pragma unroll
     for (int sl = 0; sl < kSlices; ++sl) {
@@ -202,8 +223,7 @@ __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t
         ptx::wgmma_wait<1>();
 #pragma unroll
         for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[0][i]);
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) acc[0][i] += part[0][i] * scale;
+        promote(0);
       }
       ptx::wgmma_wait<0>();
 #pragma unroll
@@ -211,8 +231,7 @@ __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t
 #pragma unroll
         for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[sl][i]);
       release(s);
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc[kSlices - 1][i] += part[kSlices - 1][i] * scale;
+      promote(kSlices - 1);
     } else {
       ptx::wgmma_wait<0>();
 #pragma unroll
@@ -234,11 +253,11 @@ __global__ void __launch_bounds__(384, 1) mma_kernel(const uint8_t* src, int64_t
 }
 
 template <int kN, int kSlices, bool kPromote, bool kCopy, bool kPair = false, bool kScales = false, int kNoise = 0,
-          bool kOnePart = false>
+          bool kOnePart = false, bool kSfc = false>
 void launch(const torch::Tensor& src, int64_t wrap_bytes, int64_t ctas, int64_t iters, torch::Tensor& cycles) {
   constexpr int kStageBytes = 2 * kSlices * 64 * kBlockK + kN * kBlockK;
   constexpr int kSmem = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kStages * 68 * 4;
-  auto kernel = mma_kernel<kN, kSlices, kPromote, kCopy, kPair, kScales, kNoise, kOnePart>;
+  auto kernel = mma_kernel<kN, kSlices, kPromote, kCopy, kPair, kScales, kNoise, kOnePart, kSfc>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(kPair ? ctas / 2 * 2 : ctas));
@@ -262,7 +281,13 @@ void launch(const torch::Tensor& src, int64_t wrap_bytes, int64_t ctas, int64_t 
 // shape 0: n64 (2 slices), 1: n128 (1 slice), 2: n128 with 2 slices and one partial (promotion only); copy: 0 none, 1 bulk copy per stage from src (wrap_bytes per CTA);
 // pair: CTA pairs multicasting A; scales: the kernel's per-stage scale cp.asyncs (both n64 with promotion and copies).
 void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool pair, bool scales, int64_t noise,
-         int64_t wrap_bytes, int64_t ctas, int64_t iters, torch::Tensor cycles) {
+         bool sfc, int64_t wrap_bytes, int64_t ctas, int64_t iters, torch::Tensor cycles) {
+  if (sfc) {
+    TORCH_CHECK(shape == 0 && promote && !pair && noise == 0, "mma: kernel-style promotion only for n64, promoted");
+    if (scales) return launch<64, 2, true, true, false, true, 0, false, true>(src, wrap_bytes, ctas, iters, cycles);
+    if (copy) return launch<64, 2, true, true, false, false, 0, false, true>(src, wrap_bytes, ctas, iters, cycles);
+    return launch<64, 2, true, false, false, false, 0, false, true>(src, wrap_bytes, ctas, iters, cycles);
+  }
   if (noise > 0) {
     TORCH_CHECK(shape == 0 && promote && !copy && !pair && !scales, "mma: noise only for n64 with promotion, in smem");
     if (noise == 100) return launch<64, 2, true, false, false, false, 100>(src, wrap_bytes, ctas, iters, cycles);
@@ -293,7 +318,7 @@ void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool 
 """
 
 CPP_SRC = ("void mma(const torch::Tensor& src, int64_t shape, bool promote, bool copy, bool pair, bool scales, int64_t noise, "
-           "int64_t wrap_bytes, int64_t ctas, int64_t iters, torch::Tensor cycles);")
+           "bool sfc, int64_t wrap_bytes, int64_t ctas, int64_t iters, torch::Tensor cycles);")
 
 MACS_PER_STAGE = 2 * 2 * 64 * 64 * 128  # n64 and n128; the 256 x 128 tile (shape 2) has twice as many
 PEAK_MACS_PER_CYCLE = 4096  # dense FP8 per SM (H100: 1979 TFLOP/s at 1.83 GHz over 132 SMs)
@@ -307,6 +332,9 @@ def main():
                     help="only the 256 x 128 tile (one partial) beside n64, promoted, each data source")
     ap.add_argument("--noise-only", action="store_true",
                     help="only the producer-noise rows (n64, promotion, in smem: 0, 100, 200, 400 instructions)")
+    ap.add_argument("--scales-only", action="store_true",
+                    help="only the promotion rows: constant factor vs the kernel's (scales from shared memory), in "
+                         "smem and copied from HBM with the producer's scale copies")
     args = ap.parse_args()
     include = os.path.join(HERE, "..", "csrc", "include")
     mod = load_inline("megamoe_probe_mma", CPP_SRC, cuda_sources=CUDA_SRC, functions=["mma"],
@@ -333,11 +361,16 @@ def main():
     noise_cases = [(0, f"n64 noise{noise}", True, "in smem", 0, False, False, noise) for noise in (0, 100, 200, 400)]
     tile_cases = [(shape, name, True, data, wrap, False, False, 0) for shape, name in ((0, "n64"), (2, "256x128 1p"))
                   for data, wrap in (("in smem", 0), ("copy from L2", 128 << 10), ("copy from HBM", big))]
-    cases = noise_cases if args.noise_only else tile_cases if args.tile_only else cases + tile_cases[3:] + noise_cases[1:]
+    scale_cases = [(0, "n64", True, "in smem", 0, False, False, 0), (0, "n64 sfc", True, "in smem", 0, False, False, 0),
+                   (0, "n64 +sf", True, "copy from HBM", big, False, True, 0),
+                   (0, "n64 +sf sfc", True, "copy from HBM", big, False, True, 0)]
+    cases = (noise_cases if args.noise_only else tile_cases if args.tile_only else scale_cases if args.scales_only
+             else cases + tile_cases[3:] + noise_cases[1:] + [scale_cases[1], scale_cases[3]])
     for shape, name, promote, data, wrap, pair, scales, noise in cases:
+        sfc = name.endswith("sfc")
         for n in ((2, sms) if pair else (1, sms)):  # a pair needs two SMs
             def call():
-                mod.mma(src, shape, promote, wrap > 0, pair, scales, noise, max(wrap, 1), n, args.iters, cycles)
+                mod.mma(src, shape, promote, wrap > 0, pair, scales, noise, sfc, max(wrap, 1), n, args.iters, cycles)
 
             us = bu.time_events(call, iters=10, flush=False)
             cyc = cycles[:n].double().median().item() / (args.iters - 1)
