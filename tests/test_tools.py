@@ -109,3 +109,24 @@ def test_probe_fp4_source_fits_the_kernel():
     for name in ("void decode_weights(", "void convert_token_unit(", "void fence_fragment("):
         assert name in header, name
     assert set(probe.MODES) >= {"full", "mma-wait", "decode", "mma-stream", "full+conv"}
+
+
+@pytest.mark.parametrize("name, function", [("probe_fp4", "probe"), ("probe_mma", "mma")])
+def test_probe_declarations_match_definitions(name, function):
+    """load_inline binds CPP_SRC's declaration to CUDA_SRC's definition only on the GPU machine: their parameter
+    lists must agree."""
+    import re
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        probe = load_tool(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def params(text):
+        m = re.search(r"void " + function + r"\(([^)]*)\)", text)
+        assert m, f"{name}: no {function}(...)"
+        return [" ".join(p.split()) for p in m.group(1).split(",")]
+
+    assert params(probe.CPP_SRC) == params(probe.CUDA_SRC)
