@@ -16,6 +16,9 @@ kernel launches at 128 before setmaxnreg raises its consumers). Modes:
   full+conv   full, plus six converter warps (as the kernel at block_m 64) converting a full 64-row FP8 token tile
               (the kernel's convert_token_unit) into a ring of two bf16 tiles each stage, with the kernel's
               bf_full / bf_empty hand-off in the kernel's order (256 x 64 tile only)
+  e4m3-ss     MXFP4 only: the consumers decode to E4M3 into shared memory (two buffers per warpgroup) and issue
+              shared-memory FP8 wgmmas (m64n64k32) with per-group promotion: decode and MMA can overlap within a
+              warp (256 x 64 tile only; its FP8 ideal is half the BF16 one)
 with two consumer warpgroups, on two tiles of the same MACs per stage: 256 weight rows x 64 tokens (two 64-row slices
 per warpgroup, as the kernel at block_m 64) and 128 weight rows x 128 tokens (one slice each, m64n128k16 wgmmas: half
 the decode per MAC; would the loop then reach the MMA rate?). NOTES: four consumer warpgroups (one slice each)
@@ -207,6 +210,127 @@ __global__ void __launch_bounds__(128 * kConsumers + (kMode == 4) * kConverterTh
 #endif
 }
 
+// e4m3-ss (256 x 64 tile): the MXFP4 weights decoded to E4M3 in shared memory by the consumers themselves (the
+// FP8-wgmma path's PRMT decode, relative to each row's largest scale of the 128-K group: quad shuffles, a fold-table
+// load), then shared-memory FP8 wgmmas (m64n64k32) against an E4M3 token tile into a partial, promoted per group with
+// the rows' factors and 16 token factors from shared memory. Two A buffers per warpgroup: a warp decodes group j + 1
+// while the wgmmas of group j run, since no wgmma input register is rewritten (within a stage: the stage's last group
+// is waited for before the next stage's first decode).
+constexpr int kSsUnit = 64 * 128;                           // one (group, slice) A tile: 64 rows x 128 K E4M3
+constexpr int kSsTokens = 2 * 64 * 128;                     // E4M3 tokens [2 groups][64][128]
+constexpr int kSsSmem = kStages * kStage + kSsTokens + 2 * 2 * kSsUnit + 2 * 64 * 4 + 1024 + 1024;
+__global__ void __launch_bounds__(256, 1) ss_kernel(int iters, int64_t* cycles) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Mma = ptx::WgmmaFP8<64>;
+  constexpr int kRegs = Mma::kNumRegs;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* tokens = smem + kStages * kStage;
+  uint8_t* abuf = tokens + kSsTokens;                       // [2 consumers][2 buffers][kSsUnit]
+  float* tfac = reinterpret_cast<float*>(abuf + 2 * 2 * kSsUnit);  // token factors [2 groups][64]
+  uint2* tables = reinterpret_cast<uint2*>(tfac + 2 * 64);
+  for (int s = 0; s < kStages; ++s) {
+    for (int i = threadIdx.x; i < kTileA / 4; i += blockDim.x)  // arbitrary E2M1 codes
+      reinterpret_cast<uint32_t*>(smem + s * kStage)[i] = (uint32_t(i + s) * 2654435761u);
+    for (int i = threadIdx.x; i < kTileSW; i += blockDim.x) smem[s * kStage + kTileA + i] = 118 + (i * 7) % 4;
+  }
+  for (int i = threadIdx.x; i < kSsTokens / 4; i += blockDim.x)  // finite E4M3 bytes
+    reinterpret_cast<uint32_t*>(tokens)[i] = (uint32_t(i) * 2654435761u) & 0x77777777u;
+  for (int i = threadIdx.x; i < 2 * 64; i += blockDim.x) tfac[i] = 1.0f;
+  if (threadIdx.x < fp4::kNumFoldTables) tables[threadIdx.x] = fp4::make_fold_table(threadIdx.x);
+  ptx::fence_proxy_async_shared();
+  __syncthreads();
+  const int lane = threadIdx.x % 32, consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, q = lane % 4;
+  const int quad_row = warp * 16 + lane / 4;
+  const uint32_t tok_lo = ptx::smem_desc_sw128_lo(tokens);
+  uint8_t* my_buf = abuf + consumer * 2 * kSsUnit;
+  const uint32_t buf_lo = ptx::smem_desc_sw128_lo(my_buf);
+  float acc[2][kRegs], part[2][kRegs];
+#pragma unroll
+  for (int ls = 0; ls < 2; ++ls)
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[ls][i] = 0.0f;
+  float prev_fa = 0.0f, prev_fb = 0.0f;
+  // Promotes unit (g, ls)'s partial (buffer u's) into the slice's accumulator, as the kernel's FP8-wgmma path.
+  auto promote = [&](int u, int g, int ls) {
+    float fc[16];
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) fc[jj] = tfac[g * 64 + 8 * (jj / 2) + 2 * q + (jj % 2)];
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[u][i]);
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i)
+      acc[ls][i] = fmaf(part[u][i], ((i / 2) % 2 ? prev_fb : prev_fa) * fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);
+  };
+  int64_t start = 0;
+  for (int it = 0; it < iters; ++it) {
+    if (it == 1) start = clock64();
+    const uint8_t* tile_a = smem + (it % kStages) * kStage;
+    const uint8_t* tile_sw = tile_a + kTileA;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int g = j / 2, ls = j % 2, u = j % 2;  // four units per stage: buffer u alternates across stages too
+      const int row = (2 * consumer + ls) * 64 + quad_row;
+      const int unit = ((4 * g + q) ^ (row % 8)) << 4;
+      const uint4 ra = *reinterpret_cast<const uint4*>(tile_a + row * 128 + unit);
+      const uint4 rb = *reinterpret_cast<const uint4*>(tile_a + (row + 8) * 128 + unit);
+      const uint32_t ea = tile_sw[row * 16 + 4 * g + q], eb = tile_sw[(row + 8) * 16 + 4 * g + q];
+      uint32_t ma = max(ea, __shfl_xor_sync(0xffffffffu, ea, 1)), mb = max(eb, __shfl_xor_sync(0xffffffffu, eb, 1));
+      ma = max(ma, __shfl_xor_sync(0xffffffffu, ma, 2)), mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
+      const uint2 ta = tables[min(int(ma - ea), fp4::kNumFoldTables - 1)];
+      const uint2 tb = tables[min(int(mb - eb), fp4::kNumFoldTables - 1)];
+      const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
+      uint32_t oa[8], ob[8];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        fp4::e2m1x8_to_e4m3(wa[s], ta, oa[2 * s], oa[2 * s + 1]);
+        fp4::e2m1x8_to_e4m3(wb[s], tb, ob[2 * s], ob[2 * s + 1]);
+      }
+      // Buffer u was last read by the wgmmas two units back, which the wait below (one unit back) has retired.
+      uint8_t* buf = my_buf + u * kSsUnit;
+      const int r0 = quad_row, r1 = quad_row + 8;  // rows within the 64-row slice; 16-byte chunks 2q, 2q + 1
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        *reinterpret_cast<uint4*>(buf + r0 * 128 + (((2 * q + h) ^ (r0 % 8)) << 4)) =
+            make_uint4(oa[4 * h], oa[4 * h + 1], oa[4 * h + 2], oa[4 * h + 3]);
+        *reinterpret_cast<uint4*>(buf + r1 * 128 + (((2 * q + h) ^ (r1 % 8)) << 4)) =
+            make_uint4(ob[4 * h], ob[4 * h + 1], ob[4 * h + 2], ob[4 * h + 3]);
+      }
+      ptx::fence_proxy_async_shared();  // generic-proxy stores -> the wgmmas (async proxy)
+      ptx::named_barrier_sync(1 + consumer, 128);  // the warpgroup's whole A tile is written
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[u][i]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+        Mma::run(part[u], ptx::smem_desc_sw128(buf_lo + (u * kSsUnit + s * 32) / 16),
+                 ptx::smem_desc_sw128(tok_lo + (g * 64 * 128 + s * 32) / 16), s > 0);
+      ptx::wgmma_commit();
+      // The previous unit's wgmmas (the other buffer and partial) have finished; the stage's last unit is waited for
+      // and promoted before the next stage (no wgmma in flight across the loop's back edge: ptxas serialised every
+      // wgmma otherwise, C7514).
+      ptx::wgmma_wait<1>();
+      if (j > 0) promote(u ^ 1, (j - 1) / 2, (j - 1) % 2);
+      prev_fa = fp4::ue8m0_float(ma), prev_fb = fp4::ue8m0_float(mb);
+      if (j == 3) {
+        ptx::wgmma_wait<0>();
+        promote(u, 1, 1);
+      }
+    }
+  }
+  ptx::wgmma_wait<0>();
+  ptx::named_barrier_sync(3, 256);  // the slowest consumer warp ends the measurement
+  const int64_t end = clock64();
+  if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
+  if (iters < 0) {  // keeps the wgmmas (never runs)
+#pragma unroll
+    for (int ls = 0; ls < 2; ++ls)
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) cycles[(ls * kRegs + i) * blockDim.x + threadIdx.x] = int64_t(acc[ls][i]);
+  }
+#endif
+}
+
 template <int kConsumers, int kN, int kSlices, int kMode>
 void launch(int64_t ctas, int64_t iters, torch::Tensor cycles) {
   auto kernel = probe_kernel<kConsumers, kN, kSlices, kMode>;
@@ -222,6 +346,14 @@ void launch(int64_t ctas, int64_t iters, torch::Tensor cycles) {
 // tile 0: 256 weight rows x 64 tokens (the kernel's block_m 64); 1: 128 rows x 128 tokens (the same MACs per stage,
 // half the decode per MAC).
 void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles) {
+  if (tile == 0 && mode == 5) {
+    static_assert(kSsSmem <= 227 * 1024, "probe: shared memory");
+    cudaFuncSetAttribute(ss_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSsSmem);
+    ss_kernel<<<ctas, 256, kSsSmem, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters),
+                                                                         cycles.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
 #define MEGAMOE_PROBE_CASE(T, N, SL, M) if (tile == T && mode == M) return launch<2, N, SL, M>(ctas, iters, cycles);
   MEGAMOE_PROBE_CASE(0, 64, 2, 0) MEGAMOE_PROBE_CASE(0, 64, 2, 1) MEGAMOE_PROBE_CASE(0, 64, 2, 2)
   MEGAMOE_PROBE_CASE(0, 64, 2, 3) MEGAMOE_PROBE_CASE(0, 64, 2, 4) MEGAMOE_PROBE_CASE(1, 128, 1, 0) MEGAMOE_PROBE_CASE(1, 128, 1, 1)
@@ -234,9 +366,9 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
 CUDA_SRC = CUDA_SRC.replace("RS128_SRC", _rs128())
 CPP_SRC = "void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles);"
 
-MODES = ("full", "mma-wait", "decode", "mma-stream", "full+conv")
+MODES = ("full", "mma-wait", "decode", "mma-stream", "full+conv", "e4m3-ss")
 MACS_PER_STAGE = 256 * 256 * 64  # 256 weight rows x 256 K x 64 tokens, or 128 x 256 x 128
-TILES = ((0, "256x64", (0, 1, 2, 3, 4)), (1, "128x128", (0, 1, 3)))
+TILES = ((0, "256x64", (0, 1, 2, 3, 4, 5)), (1, "128x128", (0, 1, 3)))
 BF16_MACS_PER_CYCLE = 2048  # dense BF16 per SM (H100: 989 TFLOP/s at 1.83 GHz over 132 SMs)
 
 

@@ -108,7 +108,7 @@ def test_probe_fp4_source_fits_the_kernel():
     header = (ROOT / "csrc" / "kernels" / "sm90_fp4_grouped_gemm.cuh").read_text()
     for name in ("void decode_weights(", "void convert_token_unit(", "void fence_fragment("):
         assert name in header, name
-    assert set(probe.MODES) >= {"full", "mma-wait", "decode", "mma-stream", "full+conv"}
+    assert set(probe.MODES) >= {"full", "mma-wait", "decode", "mma-stream", "full+conv", "e4m3-ss"}
 
 
 @pytest.mark.parametrize("name, function", [("probe_fp4", "probe"), ("probe_mma", "mma")])
