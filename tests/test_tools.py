@@ -130,3 +130,13 @@ def test_probe_declarations_match_definitions(name, function):
         return [" ".join(p.split()) for p in m.group(1).split(",")]
 
     assert params(probe.CPP_SRC) == params(probe.CUDA_SRC)
+
+
+@pytest.mark.parametrize("patch", sorted((ROOT / "benchmarks" / "patches").glob("*.patch")), ids=lambda p: p.stem)
+def test_ab_patches_apply(patch, tmp_path):
+    """The kernel variants kept as patches for a device A/B (benchmarks/patches) still apply to the current sources."""
+    import subprocess
+
+    shutil.copytree(ROOT / "csrc", tmp_path / "csrc")
+    done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

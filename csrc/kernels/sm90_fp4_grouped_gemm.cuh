@@ -58,15 +58,6 @@
 #include <string>
 
 #include "heuristics/sm90.hpp"
-
-// MEGAMOE_FP4_WARP_TILE_DECODE=1 (build-time A/B switch while unmeasured; default off): the TMA warp and the scale
-// warp find each tile's expert with decode_tile_warp (3 L2 round trips, as the FP8 producer since 2026-11-23) instead
-// of decode_tile's serial binary search (~10 dependent L2 loads, ~2-3 us, once per tile in each of the two warps).
-// The whole TMA warp then runs the producer loop, lane 0 issuing. Expected: FP4 decode and T=1 (8- and 16-stage tiles)
-// a few percent; next device session: A/B with the GPU tests, then keep one path.
-#ifndef MEGAMOE_FP4_WARP_TILE_DECODE
-#define MEGAMOE_FP4_WARP_TILE_DECODE 0
-#endif
 #include "kernels/launch.hpp"
 #include "kernels/sm90_common.cuh"
 #include "megamoe/ptx/sm90.cuh"
@@ -452,26 +443,15 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     // ======================================================================== producer, converters
     ptx::setmaxnreg_dec<R::kProducerRegs>();
     const int warp = threadIdx.x / 32;
-    constexpr bool kWarpTileDecode = MEGAMOE_FP4_WARP_TILE_DECODE;
-    // The tile's expert, rows and weight block (TMA warp and scale warp; the others read tile_infos).
-    auto find_tile = [&](int tile) {
-      if constexpr (kWarpTileDecode)
-        return decode_tile_warp(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
-      else
-        return decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
-    };
-    if (warp == 0 && (kWarpTileDecode || lane == 0)) {
-      if (lane == 0) {
-        ptx::prefetch_tensormap(&tmap_weights);
-        ptx::prefetch_tensormap(&tmap_acts);
-      }
+    if (threadIdx.x == 0) {
+      ptx::prefetch_tensormap(&tmap_weights);
+      ptx::prefetch_tensormap(&tmap_acts);
       ptx::grid_dependency_wait();
-      if (lane == 0) ptx::launch_dependents();
+      ptx::launch_dependents();
       int stage = 0;
       uint32_t phase = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        const TileInfo t = find_tile(tile);
-        if (lane != 0) continue;  // kWarpTileDecode: lanes 1-31 take part in the search only
+        const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
         const int weight_row = t.expert * p.n + t.n_block * kBlockN;
         for (int kb = 0; kb < num_kblocks; ++kb) {
           const bool full_stage = (kb + 1) * kBlockK <= p.k;
@@ -505,7 +485,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       int stage = 0;
       uint32_t phase = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        const TileInfo t = find_tile(tile);
+        const TileInfo t = decode_tile(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
         const int64_t weight_row = int64_t(t.expert) * p.n + t.n_block * kBlockN;
         for (int kb = 0; kb < num_kblocks; ++kb) {
           ptx::mbarrier_wait(&empty[stage], phase ^ 1);
