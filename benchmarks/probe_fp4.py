@@ -16,6 +16,10 @@ kernel launches at 128 before setmaxnreg raises its consumers). Modes:
   full+conv   full, plus six converter warps (as the kernel at block_m 64) converting a full 64-row FP8 token tile
               (the kernel's convert_token_unit) into a ring of two bf16 tiles each stage, with the kernel's
               bf_full / bf_empty hand-off in the kernel's order (256 x 64 tile only)
+  pipe        decode of the next unit into a second fragment set while the unit's wgmmas run, the stage's last
+              unit waited for before the next stage (H100, 2026-11-25: 3,172 cycles vs full's 3,204; the same loop
+              in the kernel gained nothing: decode and register-A wgmmas contend, the wait is not the limit)
+  pipe-x      pipe with one unit in flight across stages (the next stage's first decode overlaps too)
   e4m3-ss     MXFP4 only: the consumers decode to E4M3 into shared memory (two buffers per warpgroup) and issue
               shared-memory FP8 wgmmas (m64n64k32) with per-group promotion: decode and MMA can overlap within a
               warp (256 x 64 tile only; its FP8 ideal is half the BF16 one)
@@ -210,6 +214,105 @@ __global__ void __launch_bounds__(128 * kConsumers + (kMode == 4) * kConverterTh
 #endif
 }
 
+// pipe / pipe-x: the kernel's decode and register-A wgmmas, software-pipelined within a warp: two fragment sets, unit
+// u + 1 (a (group, slice) of the stage) decoded into one while unit u's wgmmas read the other. ptxas serialises a
+// warp's wgmmas (C7513) when a register a wgmma in flight reads is written before the wait that retires it; it sees a
+// fragment's last use at the wgmma and may give its register to the next decode, so each set is kept live (read, not
+// written) right after the wait that retires its unit (no C75xx remark). pipe waits for the stage's last unit before the next stage (the next stage's first decode is
+// exposed); pipe-x keeps one unit in flight across the loop's back edge.
+template <int kN, int kSlices, bool kCross>
+__global__ void __launch_bounds__(256, 1) pipe_kernel(int iters, int64_t* cycles) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Mma = typename Rs<kN>::T;
+  constexpr int kRegs = Mma::kNumRegs, kUnits = 2 * kSlices, kBlockM = kN;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* bf = smem + kStages * kStage;
+  for (int s = 0; s < kStages; ++s) {
+    for (int i = threadIdx.x; i < kTileA / 4; i += blockDim.x)  // arbitrary E2M1 codes
+      reinterpret_cast<uint32_t*>(smem + s * kStage)[i] = (uint32_t(i + s) * 2654435761u);
+    for (int i = threadIdx.x; i < kTileSW; i += blockDim.x) smem[s * kStage + kTileA + i] = 120;  // UE8M0 2^-7
+  }
+  for (int i = threadIdx.x; i < kN * 256 * 2 / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(bf)[i] = 0x3F803F80u;
+  ptx::fence_proxy_async_shared();
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, q = lane % 4;
+  const int quad_row = warp * 16 + lane / 4;
+  const uint32_t bf_lo = ptx::smem_desc_sw128_lo(bf);
+  float acc[kSlices][kRegs];
+#pragma unroll
+  for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[ls][i] = 0.0f;
+  uint32_t af[2][8][4];
+  auto decode = [&](int set, int it, int u) {
+    const uint8_t* tile_a = smem + (it % kStages) * kStage;
+    fp4::decode_weights<false>(af[set], tile_a, tile_a + kTileA, (kSlices * consumer + u % kSlices) * 64 + quad_row,
+                               u / kSlices, q);
+  };
+  auto keep = [&](int set) {
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) asm volatile("" ::"r"(af[set][s][r]));
+  };
+  auto issue = [&](int set, int u) {
+    const int g = u / kSlices, ls = u % kSlices;
+    fp4::fence_fragment(af[set]);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      const int step = 8 * g + s;
+      Mma::run(acc[ls], af[set][s], ptx::smem_desc_sw128(bf_lo + ((step / 4) * kBlockM * 128 + (step % 4) * 32) / 16));
+    }
+    ptx::wgmma_commit();
+  };
+#pragma unroll
+  for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc[ls][i]);
+  int64_t start = 0;
+  if constexpr (kCross) decode(0, 0, 0);
+  for (int it = 0; it < iters; ++it) {
+    if (it == 1) start = clock64();
+    if constexpr (!kCross) decode(0, it, 0);
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u) {
+      issue(u % 2, u);
+      const bool last = u + 1 == kUnits;
+      if (last && !kCross) {
+        ptx::wgmma_wait<0>();
+        keep(0), keep(1);
+      } else {
+        // Retires unit u - 1 (the previous stage's last unit at u = 0 with pipe-x): its set takes the next unit.
+        if (u > 0 || kCross) {
+          ptx::wgmma_wait<1>();
+          keep((u + 1) % 2);
+        }
+        if (!last) decode((u + 1) % 2, it, u + 1);
+        else if (it + 1 < iters) decode(0, it + 1, 0);
+      }
+    }
+  }
+  ptx::wgmma_wait<0>();
+  keep(0), keep(1);
+#pragma unroll
+  for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc[ls][i]);
+  ptx::named_barrier_sync(1, 256);  // the slowest consumer warp ends the measurement
+  const int64_t end = clock64();
+  if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
+  if (iters < 0) {  // keeps the wgmmas (never runs)
+#pragma unroll
+    for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) cycles[(ls * kRegs + i) * blockDim.x + threadIdx.x] = int64_t(acc[ls][i]);
+  }
+#endif
+}
+
 // e4m3-ss (256 x 64 tile): the MXFP4 weights decoded to E4M3 in shared memory by the consumers themselves (the
 // FP8-wgmma path's PRMT decode, relative to each row's largest scale of the 128-K group: quad shuffles, a fold-table
 // load), then shared-memory FP8 wgmmas (m64n64k32) against an E4M3 token tile into a partial, promoted per group with
@@ -354,6 +457,16 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
+  if (mode == 6 || mode == 7) {
+    auto kernel = tile == 0 ? (mode == 6 ? pipe_kernel<64, 2, false> : pipe_kernel<64, 2, true>)
+                            : (mode == 6 ? pipe_kernel<128, 1, false> : pipe_kernel<128, 1, true>);
+    constexpr int kBytes = kSmem(128, false);  // both tiles; over 114 KB: one CTA per SM
+    static_assert(kBytes >= 114 * 1024 && kBytes <= 227 * 1024, "probe: shared memory");
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+    kernel<<<ctas, 256, kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters), cycles.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
 #define MEGAMOE_PROBE_CASE(T, N, SL, M) if (tile == T && mode == M) return launch<2, N, SL, M>(ctas, iters, cycles);
   MEGAMOE_PROBE_CASE(0, 64, 2, 0) MEGAMOE_PROBE_CASE(0, 64, 2, 1) MEGAMOE_PROBE_CASE(0, 64, 2, 2)
   MEGAMOE_PROBE_CASE(0, 64, 2, 3) MEGAMOE_PROBE_CASE(0, 64, 2, 4) MEGAMOE_PROBE_CASE(1, 128, 1, 0) MEGAMOE_PROBE_CASE(1, 128, 1, 1)
@@ -366,9 +479,9 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
 CUDA_SRC = CUDA_SRC.replace("RS128_SRC", _rs128())
 CPP_SRC = "void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles);"
 
-MODES = ("full", "mma-wait", "decode", "mma-stream", "full+conv", "e4m3-ss")
+MODES = ("full", "mma-wait", "decode", "mma-stream", "full+conv", "e4m3-ss", "pipe", "pipe-x")
 MACS_PER_STAGE = 256 * 256 * 64  # 256 weight rows x 256 K x 64 tokens, or 128 x 256 x 128
-TILES = ((0, "256x64", (0, 1, 2, 3, 4, 5)), (1, "128x128", (0, 1, 3)))
+TILES = ((0, "256x64", (0, 1, 2, 3, 4, 5, 6, 7)), (1, "128x128", (0, 1, 3, 6, 7)))
 BF16_MACS_PER_CYCLE = 2048  # dense BF16 per SM (H100: 989 TFLOP/s at 1.83 GHz over 132 SMs)
 
 

@@ -747,6 +747,11 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         // register is written while an earlier wgmma may run, even a register of a later group and with the
         // wgmma that read it retired (tried: two alternating fragment sets behind wait_group 1). Waiting here
         // costs one wgmma latency per 8 wgmmas; the other consumer warps decode meanwhile.
+        // NOTES: two sets, each kept live past the wait that retires its unit, compile without serialisation
+        // and let a warp decode unit j + 1 while unit j's wgmmas run, but gained nothing (H100, 2026-11-25:
+        // probe_fp4.py pipe 3,172 cycles per stage vs 3,204; the kernel 0-3 % slower at prefill, 459 tests
+        // passed). Decode and register-A wgmmas share the SM's issue and register-file bandwidth: the loop is
+        // bound by their sum, not by the wait.
         ptx::wgmma_wait<0>();  // unconditional: ptxas must see it on every path to the decode
         if (j == 0 && kb > 0) {
           // Every wgmma of the previous stage has finished (waited above): its bf16 tile is free.
