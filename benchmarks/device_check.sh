@@ -11,6 +11,8 @@
 #   compute-sanitizer (e.g. "--racecheck-report hazard": every hazard with its addresses and threads).
 #   clocks: SM clock, power and throttle reasons (nvidia-smi every 50 ms) during bench_moe at CLOCK_TOKENS (8192) for
 #   CLOCK_MODEL (V4-Flash), FP8, no peer: clocks.csv, clocks.log.
+#   profile: profile_moe.py per kernel for PROFILE_CASES (space-separated fmt:act, default fp8:fp8) at PROFILE_TOKENS
+#   (1,128,8192) of PROFILE_MODEL (V4-Flash); PROFILE_TIMELINE=1 adds the graph-replay timeline.
 #   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below).
 #   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py).
 #   probe: the FP4 consumer-loop probe (probe_fp4.py: decode + register-A wgmmas in shared memory) and the FP8 loop's
@@ -68,7 +70,10 @@ if has stream; then
   python3 benchmarks/probe_stream.py --json "$out/stream.json" 2>&1 | tee "$out/stream.log"
 fi
 if has profile; then
-  (cd benchmarks && python3 profile_moe.py --model V4-Flash --tokens 1,128,8192) 2>&1 | tee "$out/profile.log"
+  for case in ${PROFILE_CASES:-fp8:fp8}; do
+    (cd benchmarks && python3 profile_moe.py --model "${PROFILE_MODEL:-V4-Flash}" --tokens "${PROFILE_TOKENS:-1,128,8192}" \
+      --format "${case%%:*}" --act-format "${case##*:}" ${PROFILE_TIMELINE:+--timeline})
+  done 2>&1 | tee "$out/profile.log"
 fi
 if has ncu; then
   # Nsight Compute, full set with source counters, of the grouped-GEMM kernels of one call per case
