@@ -83,6 +83,22 @@ RS128_SRC
 template <int kN> struct Rs { using T = ptx::WgmmaBF16RS<kN>; };
 template <> struct Rs<128> { using T = WgmmaBF16RS128; };
 
+// Arbitrary E2M1 codes and the UE8M0 scale byte 120 (2^-7) in every weight stage.
+__device__ __forceinline__ void fill_weight_stages(uint8_t* smem) {
+  for (int s = 0; s < kStages; ++s) {
+    for (int i = threadIdx.x; i < kTileA / 4; i += blockDim.x)
+      reinterpret_cast<uint32_t*>(smem + s * kStage)[i] = (uint32_t(i + s) * 2654435761u);
+    for (int i = threadIdx.x; i < kTileSW; i += blockDim.x) smem[s * kStage + kTileA + i] = 120;
+  }
+}
+template <int kSlices, int kRegs>
+__device__ __forceinline__ void zero_accumulators(float (&acc)[kSlices][kRegs]) {
+#pragma unroll
+  for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) acc[ls][i] = 0.0f;
+}
+
 // kMode: 0 full, 1 mma-wait, 2 decode, 3 mma-stream, 4 full with converters (see the file comment). kN: tokens (the
 // wgmma N); kSlices: 64-row weight slices per consumer warpgroup (the tile has 64 x kConsumers x kSlices weight rows).
 constexpr int kConverterThreads = 192;  // six warps, as the kernel's converters at block_m 32 / 64
@@ -97,11 +113,7 @@ __global__ void __launch_bounds__(128 * kConsumers + (kMode == 4) * kConverterTh
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* bf = smem + kStages * kStage;
-  for (int s = 0; s < kStages; ++s) {
-    for (int i = threadIdx.x; i < kTileA / 4; i += blockDim.x)  // arbitrary E2M1 codes
-      reinterpret_cast<uint32_t*>(smem + s * kStage)[i] = (uint32_t(i + s) * 2654435761u);
-    for (int i = threadIdx.x; i < kTileSW; i += blockDim.x) smem[s * kStage + kTileA + i] = 120;  // UE8M0 2^-7
-  }
+  fill_weight_stages(smem);
   for (int i = threadIdx.x; i < (kConv ? 2 : 1) * kTileBF / 4; i += blockDim.x)
     reinterpret_cast<uint32_t*>(bf)[i] = 0x3F803F80u;
   uint8_t* raw = bf + 2 * kTileBF;                      // FP8 token tile [2 groups][kN rows][128 bytes]
@@ -140,10 +152,7 @@ __global__ void __launch_bounds__(128 * kConsumers + (kMode == 4) * kConverterTh
   const int quad_row = warp * 16 + lane / 4;
   const uint32_t bf_lo = ptx::smem_desc_sw128_lo(bf);
   float acc[kSlices][kRegs];
-#pragma unroll
-  for (int ls = 0; ls < kSlices; ++ls)
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc[ls][i] = 0.0f;
+  zero_accumulators(acc);
   uint32_t a[8][4];
 #pragma unroll
   for (int s = 0; s < 8; ++s)
@@ -228,11 +237,7 @@ __global__ void __launch_bounds__(256, 1) pipe_kernel(int iters, int64_t* cycles
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* bf = smem + kStages * kStage;
-  for (int s = 0; s < kStages; ++s) {
-    for (int i = threadIdx.x; i < kTileA / 4; i += blockDim.x)  // arbitrary E2M1 codes
-      reinterpret_cast<uint32_t*>(smem + s * kStage)[i] = (uint32_t(i + s) * 2654435761u);
-    for (int i = threadIdx.x; i < kTileSW; i += blockDim.x) smem[s * kStage + kTileA + i] = 120;  // UE8M0 2^-7
-  }
+  fill_weight_stages(smem);
   for (int i = threadIdx.x; i < kN * 256 * 2 / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(bf)[i] = 0x3F803F80u;
   ptx::fence_proxy_async_shared();
   __syncthreads();
@@ -241,10 +246,7 @@ __global__ void __launch_bounds__(256, 1) pipe_kernel(int iters, int64_t* cycles
   const int quad_row = warp * 16 + lane / 4;
   const uint32_t bf_lo = ptx::smem_desc_sw128_lo(bf);
   float acc[kSlices][kRegs];
-#pragma unroll
-  for (int ls = 0; ls < kSlices; ++ls)
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc[ls][i] = 0.0f;
+  zero_accumulators(acc);
   uint32_t af[2][8][4];
   auto decode = [&](int set, int it, int u) {
     const uint8_t* tile_a = smem + (it % kStages) * kStage;
