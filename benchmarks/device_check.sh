@@ -15,6 +15,8 @@
 #   (1,128,8192) of PROFILE_MODEL (V4-Flash); PROFILE_TIMELINE=1 adds the graph-replay timeline.
 #   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below).
 #   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py).
+#   trace: tile traces (tile_trace.py) from a MEGAMOE_TILE_TRACE build, TRACE_CASES (fmt:act:T, default MXFP4 w4a8 at
+#   T = 1, 16, 512), TRACE_MODEL (V4-Flash): trace-*.txt / .json.
 #   probe: the FP4 consumer-loop probe (probe_fp4.py: decode + register-A wgmmas in shared memory) and the FP8 loop's
 #   promotion rows (probe_mma.py --scales-only); no extension build.
 #   ep: expert parallelism on every GPU of the machine: tests/test_ep.py (EP_FORMATS, default fp8:fp8) then bench_ep.py
@@ -48,7 +50,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$out/gpu.txt"
 
-if [ "$what" != stream ] && [ "$what" != ablate ] && [ "$what" != race ] && [ "$what" != poison ] && [ "$what" != probe ]; then  # these build their own trees (or none)
+if [ "$what" != stream ] && [ "$what" != ablate ] && [ "$what" != race ] && [ "$what" != poison ] && [ "$what" != probe ] && [ "$what" != trace ]; then  # these build their own trees (or none)
   start=$(date +%s)
   python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"
@@ -95,6 +97,18 @@ if has ncu; then
     # At most 8 files come back from a device call: keep the text, drop the binary report unless NCU_KEEP_REP=1.
     gzip -f "$rep-sass.csv"
     [ "${NCU_KEEP_REP:-0}" = 1 ] || rm -f "$rep.ncu-rep" "$rep.log"
+  done
+fi
+if has trace; then
+  # Tile traces (benchmarks/tile_trace.py) from a diagnostic build (MEGAMOE_TILE_TRACE) of this tree, one per
+  # TRACE_CASES entry (format:act_format:tokens, default FP4 decode), model TRACE_MODEL (V4-Flash).
+  tree=$(patched_tree none build-trace.log MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE) || exit 1
+  for spec in ${TRACE_CASES:-mxfp4:fp8:1 mxfp4:fp8:16 mxfp4:fp8:512}; do
+    IFS=: read -r fmt act t <<<"$spec"
+    (cd "$tree" && PYTHONPATH="$tree" timeout 300 python3 benchmarks/tile_trace.py --model "${TRACE_MODEL:-V4-Flash}" \
+      --format "$fmt" --act-format "$act" --tokens "$t" --json "$out/trace-$fmt-a$act-$t.json") \
+      >"$out/trace-$fmt-a$act-$t.txt" 2>&1
+    echo "== trace $spec"; grep -v "^CTAs inside\|^[0-9]*:[0-9]" "$out/trace-$fmt-a$act-$t.txt" | cut -c1-220
   done
 fi
 if has probe; then

@@ -1,7 +1,8 @@
-"""Per-CTA tile timeline of the FP8 grouped GEMM (diagnostic; needs a build with MEGAMOE_TILE_TRACE).
+"""Per-CTA tile timeline of the grouped GEMMs (diagnostic; needs a build with MEGAMOE_TILE_TRACE).
 
     MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE python setup.py build_ext --inplace
-    python benchmarks/tile_trace.py [--model V4-Flash] [--tokens 1] [--no-flush] [--graph] [--json out.json]
+    python benchmarks/tile_trace.py [--model V4-Flash] [--tokens 1] [--format fp8|mxfp4|nvfp4] [--act-format fp8|fp4]
+        [--no-flush] [--graph] [--json out.json]
 
 Runs one call (after warm-up and an L2 flush) in a child process, whose kernels print, at exit, the global-timer
 stamps of each CTA's tiles: when the weight producer claimed the tile and issued its first weight load, when its first
@@ -13,6 +14,9 @@ phases, gather, the GEMM's dependency wait, combine: each block's entry, wait ex
 replay of the call captured in a CUDA graph. NOTES: a kernel that printed completes ~30 µs late (H100, 2026-11-24),
 so in the chain only the durations inside one kernel hold (e.g. the routing phases), not the gaps between kernels;
 those come from `profile_moe.py --timeline` on a normal build.
+FP4 weights (--format mxfp4 / nvfp4): the two FP4 launches record the same lines (L2's CTAs numbered from 1024), with
+one epilogue phase, no whole-walk sums and no producer wait counts; a stage there is 256 K of 0.5-byte weights
+(FP8: 128 K of 1-byte weights), and the consumers' wait counts the bf16 token tile too.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def child(model: str, tokens: int, flush: bool, graph: bool) -> None:
+def child(model: str, tokens: int, flush: bool, graph: bool, fmt: str = "fp8", act: str = "fp8") -> None:
     import torch
 
     import megamoe
@@ -39,16 +43,13 @@ def child(model: str, tokens: int, flush: bool, graph: bool) -> None:
     e, k, h, i = cfg["num_experts"], cfg["top_k"], cfg["hidden"], cfg["intermediate"]
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
-    l1, l2 = bm.make_layer(cfg, gen)
+    l1, l2 = bm.make_layer(cfg, gen) if fmt == "fp8" else bm.make_fp4_layer(cfg, fmt, gen)
     x = torch.randn(tokens, h, device="cuda", generator=gen).bfloat16()
     idx, w = bm.make_routing(tokens, e, k, gen)
-    buf = megamoe.get_symm_buffer(None, e, tokens, k, h, i)
+    buf = megamoe.get_symm_buffer(None, e, tokens, k, h, i, act_format=act)
     y = torch.empty_like(x)
     libc = ctypes.CDLL(None)
-
-    def call():
-        megamoe.pre_dispatch(x, idx, w, buf)
-        megamoe.fp8_mega_moe(y, l1, l2, buf)
+    call = bu.moe_step(x, idx, w, y, l1, l2, buf, fmt)
 
     for _ in range(3):
         call()
@@ -69,7 +70,8 @@ def child(model: str, tokens: int, flush: bool, graph: bool) -> None:
     torch.cuda.synchronize()
     libc.fflush(None)
     print("MMTRACE END", flush=True)
-    print(f"MMTRACE SHAPE {h} {i} {k} {e}", flush=True)
+    stage_k, weight_bytes = (128, 1.0) if fmt == "fp8" else (256, 0.5)  # K per pipeline stage, bytes per weight
+    print(f"MMTRACE SHAPE {h} {i} {k} {e} {stage_k} {weight_bytes}", flush=True)
 
 
 def parse(lines):
@@ -84,11 +86,11 @@ def parse(lines):
         elif f[1] == "END":
             on = False
         elif f[1] == "SHAPE":
-            shape = tuple(int(v) for v in f[2:])
+            shape = tuple(int(v) for v in f[2:6]) + ((int(f[6]), float(f[7])) if len(f) > 7 else (128, 1.0))
         elif on and f[1] == "P":
             claims.append(dict(cta=int(f[2]), sm=int(f[3]), tile=int(f[4]), claim=int(f[5]), issue=int(f[6]),
-                               wait_cycles=int(f[7]) if len(f) > 8 else None,
-                               span_cycles=int(f[8]) if len(f) > 8 else None))
+                               wait_cycles=int(f[7]) if len(f) > 8 and int(f[7]) >= 0 else None,  # < 0: none
+                               span_cycles=int(f[8]) if len(f) > 8 and int(f[8]) >= 0 else None))
         elif on and f[1] == "E":
             entries[int(f[2])] = int(f[4])
             kernels.append(dict(kernel="gemm", block=int(f[2]), stamps=[int(f[5]), int(f[4])]))
@@ -112,7 +114,7 @@ def walk_totals(walks, entries) -> dict:
     few): per gemm, the mean per CTA of the time from the previous tile's end to a tile's first full stage (waiting
     for the tile's data, and in the fused walk for its expert's L1 tiles), in main loops and in epilogues, as
     shares of the span from the first consumer entry to the last exit; the rest is the wait for the end marker."""
-    if not walks:
+    if not any(w["l1"][0] or w["l2"][0] for w in walks.values()):  # none recorded (the FP4 kernels)
         return {}
     ctas = [b for b in walks if b in entries]
     t0, t1 = min(entries[b] for b in ctas), max(walks[b]["exit"] for b in ctas)
@@ -172,7 +174,7 @@ def chain(kernels, t0) -> dict:
 
 
 def summarize(tiles, claims, entries, shape) -> dict:
-    hidden, inter = shape[0], shape[1]
+    hidden, inter, stage_k, weight_bytes = shape[0], shape[1], shape[4], shape[5]
     t0 = min([c["claim"] for c in claims] + [t["start"] for t in tiles])
     us = lambda ns: (ns - t0) / 1e3  # noqa: E731
     out = {"ctas_with_tiles": len({t["cta"] for t in tiles}), "ctas": len(entries)}
@@ -184,7 +186,7 @@ def summarize(tiles, claims, entries, shape) -> dict:
             continue
         main = [(t["main_end"] - t["start"]) / 1e3 for t in ts]
         epi = [(t["end"] - t["main_end"]) / 1e3 for t in ts]
-        rate = [256 * k_bytes / ((t["main_end"] - t["start"]) / 1e3) / 1e3 for t in ts]  # GB/s per tile
+        rate = [256 * k_bytes * weight_bytes / ((t["main_end"] - t["start"]) / 1e3) / 1e3 for t in ts]  # GB/s per tile
         row = dict(tiles=len(ts), first_start=us(min(t["start"] for t in ts)),
                    last_start=us(max(t["start"] for t in ts)), first_end=us(min(t["end"] for t in ts)),
                    last_end=us(max(t["end"] for t in ts)), main_us_median=statistics.median(main),
@@ -193,6 +195,8 @@ def summarize(tiles, claims, entries, shape) -> dict:
         # Epilogue phases (µs each, medians): L1 SwiGLU, token amax shared, quantized, stored, counted (fused);
         # L2 staged, copies issued (FP8: bulk copies, not waited for), the rest.
         names = ("swiglu", "amax", "quantize", "store", "count") if gemm == 0 else ("stage", "copy-out", "rest")
+        if weight_bytes < 1:
+            names = ("epilogue",)  # the FP4 kernels record the epilogue as one phase
         marks = lambda t: [t["main_end"]] + t["epilogue"][:len(names) - 1] + [t["end"]]  # noqa: E731
         row["epilogue_phases_us"] = {n: statistics.median((marks(t)[j + 1] - marks(t)[j]) / 1e3 for t in ts)
                                      for j, n in enumerate(names)}
@@ -201,12 +205,12 @@ def summarize(tiles, claims, entries, shape) -> dict:
             ghz = [t["main_cycles"] / (t["main_end"] - t["start"]) for t in ts
                    if t["main_cycles"] is not None and t["main_end"] > t["start"]]
             row["sm_ghz_median"] = statistics.median(ghz)
-            row["cycles_per_kblock_median"] = statistics.median(cycles) / (k_bytes // 128)
-            kblocks = k_bytes // 128
+            kblocks = k_bytes // stage_k
+            row["cycles_per_kblock_median"] = statistics.median(cycles) / kblocks
             row["consumer_full_wait_per_kblock_median"] = statistics.median(
                 t["full_wait_cycles"] for t in ts if t["full_wait_cycles"] is not None) / kblocks
             print(f"{name}: SM clock in the main loop (median) {row['sm_ghz_median']:.3f} GHz (min {min(ghz):.3f}, "
-                  f"max {max(ghz):.3f}); {row['cycles_per_kblock_median']:.0f} cycles per 128-K block, of which the "
+                  f"max {max(ghz):.3f}); {row['cycles_per_kblock_median']:.0f} cycles per {stage_k}-K stage, of which the "
                   f"consumers waited {row['consumer_full_wait_per_kblock_median']:.0f} for full stages")
         out[name] = row
         print(f"{name}: epilogue phases (median µs) " +
@@ -223,7 +227,7 @@ def summarize(tiles, claims, entries, shape) -> dict:
         for n, (c, t) in enumerate(zip(cs, ts)):
             wait[t["gemm"]].append((t["start"] - c["claim"]) / 1e3)
             if c["wait_cycles"] is not None:  # the producer's own cycles per k block of this tile
-                kblocks = (hidden if t["gemm"] == 0 else inter) // 128
+                kblocks = (hidden if t["gemm"] == 0 else inter) // stage_k
                 wait[("pwait", t["gemm"])].append(c["wait_cycles"] / kblocks)
                 wait[("pspan", t["gemm"])].append(c["span_cycles"] / kblocks)
             if n == 0:  # the CTA's first tile: decode cost, then the first loads' latency
@@ -268,12 +272,15 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--no-flush", action="store_true", help="no L2 flush before the traced call (weights warm)")
     ap.add_argument("--graph", action="store_true", help="trace a CUDA-graph replay of the call (default: eager)")
+    ap.add_argument("--format", default="fp8", choices=["fp8", "mxfp4", "nvfp4"], help="weight format")
+    ap.add_argument("--act-format", default="fp8", choices=["fp8", "fp4"], help="activation format (FP4 weights)")
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
     if args.child:
-        child(args.model, args.tokens, not args.no_flush, args.graph)
+        child(args.model, args.tokens, not args.no_flush, args.graph, args.format, args.act_format)
         return
-    argv = [sys.executable, __file__, "--child", "--model", args.model, "--tokens", str(args.tokens)]
+    argv = [sys.executable, __file__, "--child", "--model", args.model, "--tokens", str(args.tokens),
+            "--format", args.format, "--act-format", args.act_format]
     argv += (["--no-flush"] if args.no_flush else []) + (["--graph"] if args.graph else [])
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=HERE)
     if proc.returncode != 0:
@@ -281,7 +288,7 @@ def main() -> None:
     tiles, claims, entries, kernels, shape, walks = parse(proc.stdout.splitlines())
     if not tiles:
         sys.exit("no MMTRACE lines: build with MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE (see the header)")
-    print(f"{args.model} T={args.tokens}")
+    print(f"{args.model} {args.format} a{args.act_format} T={args.tokens}")
     out = summarize(tiles, claims, entries, shape)
     out["walk"] = walk_totals(walks, entries)
     if kernels:

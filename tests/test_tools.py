@@ -58,7 +58,7 @@ def test_tile_trace_parses_clock_fields():
         tiles, claims, entries, kernels, shape, walks = trace.parse(
             ["MMTRACE MARK", "MMTRACE E 3 7 800 100", p, c, "MMTRACE END", "MMTRACE SHAPE 4096 2048 6 256"])
         assert walks == {}
-        assert shape == (4096, 2048, 6, 256)
+        assert shape == (4096, 2048, 6, 256, 128, 1.0)  # no stage fields: FP8's 128-K stage of 1-byte weights
         assert len(tiles) == 1 and len(claims) == 1 and entries == {3: 800}
         tile = tiles[0]
         assert (tile["gemm"], tile["expert"], tile["n_block"], tile["rows"]) == (0, 12, 1, 64)
@@ -67,6 +67,27 @@ def test_tile_trace_parses_clock_fields():
         assert tile["full_wait_cycles"] == (None if cycles is None else 1900)
         assert claims[0]["wait_cycles"] == (None if cycles is None else 22000)
         assert claims[0]["span_cycles"] == (None if cycles is None else 45000)
+
+
+def test_tile_trace_fp4_records(capsys):
+    """FP4 kernels: the stage fields of SHAPE (256 K of 0.5-byte weights), producer cycles not recorded (-1), no
+    whole-walk sums, and one epilogue phase; per-stage cycles and GB/s use the FP4 stage."""
+    trace = load_tool("tile_trace")
+    lines = ["MMTRACE MARK", "MMTRACE E 1024 5 1000 900", "MMTRACE P 1024 5 7 950 960 -1 -1",
+             "MMTRACE S 1024 " + " ".join(["0"] * 16) + " 90000",
+             "MMTRACE C 1024 5 1 3 0 1 2000 82000 86000 86000 86000 86000 86000 144000 16000",
+             "MMTRACE END", "MMTRACE SHAPE 4096 2048 6 256 256 0.5"]
+    tiles, claims, entries, kernels, shape, walks = trace.parse(lines)
+    assert shape == (4096, 2048, 6, 256, 256, 0.5)
+    assert claims[0]["wait_cycles"] is None and claims[0]["span_cycles"] is None
+    assert trace.walk_totals(walks, entries) == {}
+    out = trace.summarize(tiles, claims, entries, shape)
+    l2 = out["L2"]
+    assert l2["epilogue_phases_us"] == {"epilogue": pytest.approx(4.0)}
+    assert l2["cycles_per_kblock_median"] == pytest.approx(144000 / 8)  # K = 2048: 8 stages of 256
+    assert l2["gbps_per_tile_median"] == pytest.approx(256 * 2048 * 0.5 / 80.0 / 1e3)  # bytes over the 80 µs loop
+    assert "producer_span_per_kblock_median" not in l2
+    assert "cycles per 256-K stage" in capsys.readouterr().out
 
 
 def test_tile_trace_walk_totals():

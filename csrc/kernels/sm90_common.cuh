@@ -103,6 +103,57 @@ struct PhaseStamps {
 #endif
 };
 
+#ifdef MEGAMOE_TILE_TRACE
+// Per-CTA tile records of the grouped GEMMs (diagnostic build only: setup.py with
+// MEGAMOE_NVCC_DEFINES=MEGAMOE_TILE_TRACE; benchmarks/tile_trace.py reads the lines trace_print writes). A kernel
+// keeps the global-timer stamps of its first kTraceTiles tiles in registers / local memory, stores them at exit into
+// its own __device__ array, and a one-thread print kernel launched after it (stream order) prints them.
+// NOTES: no printf in a GEMM kernel: a function call anywhere in a kernel makes ptxas serialise all its wgmmas
+// (C7510; 2026-11-25: every wgmma waited for the previous one in the trace builds until then).
+constexpr int kTraceTiles = 8, kTraceMaxCtas = 1024;
+__device__ __forceinline__ unsigned trace_smid() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+struct TraceRecord {
+  // Producer: the tile claimed, when, when its first weight load was issued (the claim for the end marker), the
+  // cycles it waited for free stages and from its first stage to its last issued.
+  int producer_n, tile[kTraceTiles];
+  unsigned long long claim[kTraceTiles], issue[kTraceTiles];
+  long long pwait[kTraceTiles], pspan[kTraceTiles];
+  // Consumers: SM, global timer at launch and after the dependency wait, per tile its gemm / expert / n_block /
+  // rows, the stamps (start, main loop done, epilogue done), the epilogue phases, the main loop's cycles and the
+  // cycles it waited for full stages.
+  unsigned sm;
+  int consumer_n, info[kTraceTiles][4];
+  unsigned long long entry, launch, t[kTraceTiles][3], e[kTraceTiles][4];
+  long long c[kTraceTiles][2];
+  // The whole walk (every tile, not only the first kTraceTiles), per gemm: tiles, then ns summed over them from
+  // the previous tile's end (or the entry) to this tile's first full stage, in the main loop, in each epilogue
+  // phase (as e: L1 SwiGLU, amax, quantize, store, count; L2 stage, copies issued, -, -, rest; the wait for the last
+  // L2 tile's copies counts in the next tile's first phase); and when the consumers saw the end marker.
+  long long walk[2][8];
+  unsigned long long exit;
+};
+
+// One CTA's record as "MMTRACE P/E/S/C" lines; `b` names the CTA (the FP4 kernels offset L2's by kTraceMaxCtas).
+__device__ __forceinline__ void trace_print(const TraceRecord& r, int b) {
+  for (int i = 0; i < r.producer_n; ++i)
+    printf("MMTRACE P %d %u %d %llu %llu %lld %lld\n", b, r.sm, r.tile[i], r.claim[i], r.issue[i], r.pwait[i],
+           r.pspan[i]);
+  printf("MMTRACE E %d %u %llu %llu\n", b, r.sm, r.entry, r.launch);
+  printf("MMTRACE S %d", b);
+  for (int g = 0; g < 2; ++g)
+    for (int j = 0; j < 8; ++j) printf(" %lld", r.walk[g][j]);
+  printf(" %llu\n", r.exit);
+  for (int i = 0; i < r.consumer_n; ++i)
+    printf("MMTRACE C %d %u %d %d %d %d %llu %llu %llu %llu %llu %llu %llu %lld %lld\n", b, r.sm, r.info[i][0],
+           r.info[i][1], r.info[i][2], r.info[i][3], r.t[i][0], r.t[i][1], r.t[i][2], r.e[i][0], r.e[i][1], r.e[i][2],
+           r.e[i][3], r.c[i][0], r.c[i][1]);
+}
+#endif
+
 // Raises a kernel's dynamic shared-memory limit on the current device, once per (kernel, device): the
 // attribute is per device, so one process driving several GPUs needs it on each (a process-wide once flag
 // let the second device's launch fail).

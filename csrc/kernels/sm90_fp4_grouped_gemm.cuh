@@ -367,6 +367,16 @@ __device__ __forceinline__ void fold_token_unit(const uint8_t* raw, const uint8_
   if (q == 0) factors[g * kBlockM + n] = ue8m0_float(tmax);
 }
 
+#ifdef MEGAMOE_TILE_TRACE
+// Diagnostic build only (TraceRecord in sm90_common.cuh): L1's and L2's records, one array per translation unit
+// (static: several .cu files instantiate this kernel), printed by fp4_trace_print_kernel after each launch. L2's
+// CTAs print as kTraceMaxCtas + block, and their tiles as gemm 1. The epilogue is one phase here (e[] = its end).
+static __device__ TraceRecord g_fp4_trace[2][kTraceMaxCtas];
+static __global__ void fp4_trace_print_kernel(int gemm, int num_ctas) {
+  for (int b = 0; b < num_ctas && b < kTraceMaxCtas; ++b) trace_print(g_fp4_trace[gemm][b], gemm * kTraceMaxCtas + b);
+}
+#endif
+
 template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma>
 __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     sm90_fp4_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
@@ -454,9 +464,17 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       if (lane == 0) ptx::launch_dependents();
       int stage = 0;
       uint32_t phase = 0;
+#ifdef MEGAMOE_TILE_TRACE
+      int trace_n = 0, trace_cur = -1, trace_tile[kTraceTiles];    // trace_cur: the slot of the tile being issued
+      uint64_t trace_claim[kTraceTiles], trace_issue[kTraceTiles];  // claimed; first weight load issued
+#endif
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         const TileInfo t = decode_tile_warp(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
         if (lane != 0) continue;  // lanes 1-31 take part in the search only
+#ifdef MEGAMOE_TILE_TRACE
+        trace_cur = trace_n < kTraceTiles ? trace_n : -1;
+        if (trace_cur >= 0) trace_tile[trace_n] = tile, trace_claim[trace_n++] = ptx::globaltimer_ns();
+#endif
         const int weight_row = t.expert * p.n + t.n_block * kBlockN;
         for (int kb = 0; kb < num_kblocks; ++kb) {
           const bool full_stage = (kb + 1) * kBlockK <= p.k;
@@ -467,6 +485,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           if (kb == 0) tile_infos[stage] = t;
           ptx::mbarrier_arrive_expect_tx(&full[stage], bytes);
           ptx::tma_load_2d(tile_a(stage), &tmap_weights, &full[stage], kb * (kBlockK / 2), weight_row);
+#ifdef MEGAMOE_TILE_TRACE
+          if (kb == 0 && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
+#endif
           if constexpr (kActFP4) {
             ptx::tma_load_2d(tile_b(stage), &tmap_acts, &full[stage], kb * (kBlockK / 2), t.row0);
           } else {
@@ -477,6 +498,18 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           if (++stage == kNumStages) stage = 0, phase ^= 1;
         }
       }
+#ifdef MEGAMOE_TILE_TRACE
+      if (lane == 0 && blockIdx.x < kTraceMaxCtas) {
+        if (trace_n < kTraceTiles) trace_tile[trace_n] = num_tiles, trace_claim[trace_n++] = ptx::globaltimer_ns();
+        TraceRecord& r = g_fp4_trace[kIsL1 ? 0 : 1][blockIdx.x];
+        r.producer_n = trace_n;
+        for (int i = 0; i < trace_n; ++i) {
+          r.tile[i] = trace_tile[i], r.claim[i] = trace_claim[i];
+          r.issue[i] = trace_tile[i] < num_tiles ? trace_issue[i] : trace_claim[i];
+          r.pwait[i] = -1, r.pspan[i] = -1;  // not recorded
+        }
+      }
+#endif
     } else if (warp == 1) {
       // Weight block scales: rows of k / kWBlk bytes (4-byte multiples), kWWords words per row per stage.
       // Token scales: kABlocks rows of pool_rows bytes per stage; words [row0 & ~3, row0 + kBlockM + 4).
@@ -605,8 +638,17 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 
   // ========================================================================== consumers
   ptx::setmaxnreg_inc<R::kConsumerRegs>();
+#ifdef MEGAMOE_TILE_TRACE
+  const uint64_t trace_launch = ptx::globaltimer_ns();  // before the grid dependency wait
+#endif
   ptx::grid_dependency_wait();  // token tiles, scales and routing rows come from earlier kernels
   ptx::launch_dependents();
+#ifdef MEGAMOE_TILE_TRACE
+  const uint64_t trace_entry = ptx::globaltimer_ns();  // after the grid dependency wait
+  int trace_n = 0, trace_info[kTraceTiles][4];
+  uint64_t trace_t[kTraceTiles][3];
+  int64_t trace_c[kTraceTiles][2] = {};  // main-loop cycles, of which waiting for full stages
+#endif
   const int consumer = warpgroup - 1;                 // owns the slices [kSlices c, kSlices c + kSlices)
   const int warp = (threadIdx.x / 32) % 4;            // warp within the warpgroup
   const int ctid = threadIdx.x - 128;                 // 0 .. kNumConsumerThreads - 1
@@ -670,15 +712,35 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       const int groups = (kb + 1) * kBlockK <= p.k ? 2 : 1;  // 128-K groups in this stage
       bf = bf_tiles + b * S::kTileBF;
       const uint32_t bf_desc_lo = bf_tiles_desc_lo + b * (S::kTileBF / 16);
+#ifdef MEGAMOE_TILE_TRACE
+      const int64_t trace_w0 = clock64();
+      if (kb == 0 && ctid == 0 && trace_n < kTraceTiles) trace_c[trace_n][0] = -trace_w0;
+#endif
       ptx::mbarrier_wait(&full[stage], phase);
+#ifdef MEGAMOE_TILE_TRACE
+      if (ctid == 0 && trace_n < kTraceTiles) trace_c[trace_n][1] += clock64() - trace_w0;
+#endif
       if (kb == 0) {
         t = tile_infos[stage];
+#ifdef MEGAMOE_TILE_TRACE
+        if (ctid == 0 && trace_n < kTraceTiles) {
+          trace_info[trace_n][0] = kIsL1 ? 0 : 1, trace_info[trace_n][1] = t.expert;
+          trace_info[trace_n][2] = t.n_block, trace_info[trace_n][3] = t.rows;
+          trace_t[trace_n][0] = ptx::globaltimer_ns();  // the tile's first stage is full
+        }
+#endif
         if constexpr (kEarlyEpilogueInputs) {
           load_factors(t);
           load_row_inputs(t);
         }
       }
+#ifdef MEGAMOE_TILE_TRACE
+      const int64_t trace_w1 = clock64();
+#endif
       ptx::mbarrier_wait(&bf_full[b], bphase);
+#ifdef MEGAMOE_TILE_TRACE
+      if (ctid == 0 && trace_n < kTraceTiles) trace_c[trace_n][1] += clock64() - trace_w1;  // and the bf16 tile
+#endif
 #pragma unroll
       for (int ls = 0; ls < kSlices; ++ls)
 #pragma unroll
@@ -784,6 +846,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     for (int ls = 0; ls < kSlices; ++ls)
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc[ls][i]);
+#ifdef MEGAMOE_TILE_TRACE
+    if (ctid == 0 && trace_n < kTraceTiles)
+      trace_t[trace_n][1] = ptx::globaltimer_ns(), trace_c[trace_n][0] += clock64();  // main loop done
+#endif
     // The last stage's bf16 tile is the epilogue's scratch; it is released at the end of the epilogue.
     uint8_t* epi = bf;
 
@@ -909,7 +975,24 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     }
     // Every consumer is past the epilogue's last read of `epi` (the barrier above): the converters may refill it.
     if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
+#ifdef MEGAMOE_TILE_TRACE
+    if (ctid == 0 && trace_n < kTraceTiles) trace_t[trace_n++][2] = ptx::globaltimer_ns();  // epilogue done
+#endif
   }
+#ifdef MEGAMOE_TILE_TRACE
+  if (ctid == 0 && blockIdx.x < kTraceMaxCtas) {
+    TraceRecord& r = g_fp4_trace[kIsL1 ? 0 : 1][blockIdx.x];
+    r.sm = trace_smid(), r.entry = trace_entry, r.launch = trace_launch, r.consumer_n = trace_n;
+    for (int i = 0; i < trace_n; ++i) {
+      for (int j = 0; j < 4; ++j) r.info[i][j] = trace_info[i][j], r.e[i][j] = trace_t[i][2];
+      for (int j = 0; j < 3; ++j) r.t[i][j] = trace_t[i][j];
+      r.c[i][0] = trace_c[i][0], r.c[i][1] = trace_c[i][1];
+    }
+    for (int g = 0; g < 2; ++g)
+      for (int j = 0; j < 8; ++j) r.walk[g][j] = 0;  // the FP4 kernels keep no whole-walk sums
+    r.exit = ptx::globaltimer_ns();
+  }
+#endif
 #else
   __trap();  // built for a GPU without wgmma: the host never launches this
 #endif
@@ -925,6 +1008,9 @@ void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cu
   constexpr auto kernel = sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe, kFP8Mma>;
   allow_dynamic_smem<kernel>(kBytes);
   launch_pdl(kernel, dim3(num_sms), dim3(Roles<kBlockM>::kThreads), kBytes, stream, a.tmap_weights, a.tmap_acts, p);
+#ifdef MEGAMOE_TILE_TRACE
+  fp4_trace_print_kernel<<<1, 1, 0, stream>>>(kIsL1 ? 0 : 1, num_sms);  // after the GEMM (stream order)
+#endif
 }
 
 // Every (block_m, activation recipe) of one layer and weight format (kFP8Mma: MXFP4 on FP8 wgmmas).
