@@ -20,6 +20,9 @@ kernel launches at 128 before setmaxnreg raises its consumers). Modes:
               unit waited for before the next stage (H100, 2026-11-25: 3,172 cycles vs full's 3,204; the same loop
               in the kernel gained nothing: decode and register-A wgmmas contend, the wait is not the limit)
   pipe-x      pipe with one unit in flight across stages (the next stage's first decode overlaps too)
+  fp8-full    MXFP4, the kernel's FP8-wgmma path (the default for MXFP4 tokens): decode_weights_e4m3, 4 register-A
+              m64n64k32 FP8 wgmmas into a partial, a full wait and the promotion per unit (FP8 ideal: 1,024 cycles)
+  fp8-mma     the same without the decode;  fp8-decode: the decode only (256 x 64 tile only)
   e4m3-ss     MXFP4 only: the consumers decode to E4M3 into shared memory (two buffers per warpgroup) and issue
               shared-memory FP8 wgmmas (m64n64k32) with per-group promotion: decode and MMA can overlap within a
               warp (256 x 64 tile only; its FP8 ideal is half the BF16 one)
@@ -315,6 +318,97 @@ __global__ void __launch_bounds__(256, 1) pipe_kernel(int iters, int64_t* cycles
 #endif
 }
 
+// fp8-full / fp8-mma / fp8-decode (256 x 64 tile, MXFP4): the kernel's FP8-wgmma path (the default for MXFP4 tokens),
+// its consumer loop alone: per (group, slice) unit kernels::fp4::decode_weights_e4m3 (E4M3 relative to the rows'
+// largest scale of the group: quad shuffles, fold-table PRMTs), 4 register-A m64n64k32 wgmmas into a partial against
+// an E4M3 token tile, a full wait, and the promotion with the rows' and 16 tokens' factors (the kernel's order).
+// fp8-mma: the same without the decode (fragments never rewritten); fp8-decode: the decode only. The FP8 ideal of a
+// stage is 1,024 cycles, half the BF16 one.
+constexpr int kFp8Tokens = 2 * 64 * 128;  // E4M3 tokens [2 groups][64][128], 128B-swizzled
+constexpr int kFp8Smem = kStages * kStage + kFp8Tokens + 2 * 64 * 4 + 256 + 1024;
+template <int kMode>  // 0 full, 1 mma, 2 decode
+__global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cycles) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Mma = ptx::WgmmaFP8RS<64>;
+  constexpr int kRegs = Mma::kNumRegs;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* tokens = smem + kStages * kStage;
+  float* tfac = reinterpret_cast<float*>(tokens + kFp8Tokens);  // token factors [2 groups][64]
+  uint2* tables = reinterpret_cast<uint2*>(tfac + 2 * 64);
+  fill_weight_stages(smem);
+  for (int s = 0; s < kStages; ++s)  // scales 118-121: shifts 0-3 through the fold tables
+    for (int i = threadIdx.x; i < kTileSW; i += blockDim.x) smem[s * kStage + kTileA + i] = 118 + (i * 7) % 4;
+  for (int i = threadIdx.x; i < kFp8Tokens / 4; i += blockDim.x)  // finite E4M3 bytes
+    reinterpret_cast<uint32_t*>(tokens)[i] = (uint32_t(i) * 2654435761u) & 0x77777777u;
+  for (int i = threadIdx.x; i < 2 * 64; i += blockDim.x) tfac[i] = 1.0f;
+  if (threadIdx.x < fp4::kNumFoldTables) tables[threadIdx.x] = fp4::make_fold_table(threadIdx.x);
+  ptx::fence_proxy_async_shared();
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, q = lane % 4;
+  const int quad_row = warp * 16 + lane / 4;
+  const uint32_t tok_lo = ptx::smem_desc_sw128_lo(tokens);
+  float acc[2][kRegs];
+  zero_accumulators(acc);
+  uint32_t a8[4][4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a8[s][r] = 0x38383838u;  // E4M3 1.0
+  int64_t start = 0;
+  for (int it = 0; it < iters; ++it) {
+    if (it == 1) start = clock64();
+    const uint8_t* tile_a = smem + (it % kStages) * kStage;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int g = j / 2, ls = j % 2;
+      float fa = 1.0f, fb = 1.0f;
+      if constexpr (kMode != 1)
+        fp4::decode_weights_e4m3(a8, fa, fb, tile_a, tile_a + kTileA, tables, (2 * consumer + ls) * 64 + quad_row, g,
+                                 q);
+      if constexpr (kMode == 2) {
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+          acc[ls][s] += __uint_as_float(a8[s][0] ^ a8[s][1] ^ a8[s][2] ^ a8[s][3]) * (s % 2 ? fb : fa);
+        continue;
+      } else {
+        float fc[16];
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj) fc[jj] = tfac[g * 64 + 8 * (jj / 2) + 2 * q + (jj % 2)];
+        float part[kRegs];
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[s][r]);
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+          Mma::run(part, a8[s], ptx::smem_desc_sw128(tok_lo + (g * 64 * 128 + s * 32) / 16), s > 0);
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i)
+          acc[ls][i] = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);
+      }
+    }
+  }
+  ptx::named_barrier_sync(1, 256);  // the slowest consumer warp ends the measurement
+  const int64_t end = clock64();
+  if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
+  if (iters < 0) {  // keeps the work (never runs)
+#pragma unroll
+    for (int ls = 0; ls < 2; ++ls)
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) cycles[(ls * kRegs + i) * blockDim.x + threadIdx.x] = int64_t(acc[ls][i]);
+  }
+#endif
+}
+
 // e4m3-ss (256 x 64 tile): the MXFP4 weights decoded to E4M3 in shared memory by the consumers themselves (the
 // FP8-wgmma path's PRMT decode, relative to each row's largest scale of the 128-K group: quad shuffles, a fold-table
 // load), then shared-memory FP8 wgmmas (m64n64k32) against an E4M3 token tile into a partial, promoted per group with
@@ -459,6 +553,15 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
+  if (tile == 0 && mode >= 8 && mode <= 10) {
+    auto kernel = mode == 8 ? fp8path_kernel<0> : mode == 9 ? fp8path_kernel<1> : fp8path_kernel<2>;
+    constexpr int kBytes = kFp8Smem > 114 * 1024 ? kFp8Smem : 114 * 1024;  // one CTA per SM
+    static_assert(kBytes <= 227 * 1024, "probe: shared memory");
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+    kernel<<<ctas, 256, kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters), cycles.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   if (mode == 6 || mode == 7) {
     auto kernel = tile == 0 ? (mode == 6 ? pipe_kernel<64, 2, false> : pipe_kernel<64, 2, true>)
                             : (mode == 6 ? pipe_kernel<128, 1, false> : pipe_kernel<128, 1, true>);
@@ -481,9 +584,10 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
 CUDA_SRC = CUDA_SRC.replace("RS128_SRC", _rs128())
 CPP_SRC = "void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles);"
 
-MODES = ("full", "mma-wait", "decode", "mma-stream", "full+conv", "e4m3-ss", "pipe", "pipe-x")
+MODES = ("full", "mma-wait", "decode", "mma-stream", "full+conv", "e4m3-ss", "pipe", "pipe-x", "fp8-full",
+         "fp8-mma", "fp8-decode")
 MACS_PER_STAGE = 256 * 256 * 64  # 256 weight rows x 256 K x 64 tokens, or 128 x 256 x 128
-TILES = ((0, "256x64", (0, 1, 2, 3, 4, 5, 6, 7)), (1, "128x128", (0, 1, 3, 6, 7)))
+TILES = ((0, "256x64", (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)), (1, "128x128", (0, 1, 3, 6, 7)))
 BF16_MACS_PER_CYCLE = 2048  # dense BF16 per SM (H100: 989 TFLOP/s at 1.83 GHz over 132 SMs)
 
 

@@ -315,6 +315,32 @@ __device__ __forceinline__ float ue8m0_float(uint32_t b) {
   return __uint_as_float(b == 255 ? 0x7FC00000u : b == 0 ? 0x00400000u : b << 23);
 }
 
+// Decodes this thread's part of one (128-K group, 64-row slice) for the FP8-wgmma path: rows r and r + 8 of the slice,
+// 32 K each (sub-block q of the group), into the register A fragments of the group's 4 k32 steps, each weight folded
+// relative to its row's largest scale of the group (quad shuffles; fold table by the difference); fa / fb = the two
+// rows' 2^(largest - 127), the promotion's weight factors.
+__device__ __forceinline__ void decode_weights_e4m3(uint32_t (&a8)[4][4], float& fa, float& fb, const uint8_t* tile_a,
+                                                    const uint8_t* tile_sw, const uint2* fold_tables, int row, int g,
+                                                    int q) {
+  const int unit = ((4 * g + q) ^ (row % 8)) << 4;  // rows r and r + 8 share the swizzle phase
+  const uint4 ra = *reinterpret_cast<const uint4*>(tile_a + row * 128 + unit);
+  const uint4 rb = *reinterpret_cast<const uint4*>(tile_a + (row + 8) * 128 + unit);
+  // This thread's 32 K are sub-block q of the group: its scale, and the rows' largest over the quad.
+  const uint32_t ea = tile_sw[row * kScaleWordsBytes + 4 * g + q];
+  const uint32_t eb = tile_sw[(row + 8) * kScaleWordsBytes + 4 * g + q];
+  uint32_t ma = max(ea, __shfl_xor_sync(0xffffffffu, ea, 1)), mb = max(eb, __shfl_xor_sync(0xffffffffu, eb, 1));
+  ma = max(ma, __shfl_xor_sync(0xffffffffu, ma, 2)), mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
+  const uint2 ta = fold_tables[min(int(ma - ea), kNumFoldTables - 1)];
+  const uint2 tb = fold_tables[min(int(mb - eb), kNumFoldTables - 1)];
+  const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    e2m1x8_to_e4m3(wa[s], ta, a8[s][0], a8[s][2]);
+    e2m1x8_to_e4m3(wb[s], tb, a8[s][1], a8[s][3]);
+  }
+  fa = ue8m0_float(ma), fb = ue8m0_float(mb);
+}
+
 // Four E4M3 values x f (a power of two, so the product rounds once, to nearest even) -> E4M3.
 __device__ __forceinline__ uint32_t fold_e4m3x4(uint32_t v, float f) {
   const float2 a = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xFFFF), __NV_E4M3)));
@@ -755,25 +781,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             __syncwarp();
             if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
           }
-          const int row = (kSlices * consumer + ls) * 64 + quad_row;
-          const int unit = ((4 * g + q) ^ (row % 8)) << 4;  // rows r and r + 8 share the swizzle phase
-          const uint4 ra = *reinterpret_cast<const uint4*>(tile_a(stage) + row * 128 + unit);
-          const uint4 rb = *reinterpret_cast<const uint4*>(tile_a(stage) + (row + 8) * 128 + unit);
-          // This thread's 32 K are sub-block q of the group: its scale, and the rows' largest over the quad.
-          const uint32_t ea = tile_sw(stage)[row * kScaleWordsBytes + 4 * g + q];
-          const uint32_t eb = tile_sw(stage)[(row + 8) * kScaleWordsBytes + 4 * g + q];
-          uint32_t ma = max(ea, __shfl_xor_sync(0xffffffffu, ea, 1)), mb = max(eb, __shfl_xor_sync(0xffffffffu, eb, 1));
-          ma = max(ma, __shfl_xor_sync(0xffffffffu, ma, 2)), mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
-          const uint2 ta = fold_tables[min(int(ma - ea), kNumFoldTables - 1)];
-          const uint2 tb = fold_tables[min(int(mb - eb), kNumFoldTables - 1)];
-          const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
           uint32_t a8[4][4];  // k32 step s: word s of the 16 bytes (K 32q + 8s .. + 7)
-#pragma unroll
-          for (int s = 0; s < 4; ++s) {
-            e2m1x8_to_e4m3(wa[s], ta, a8[s][0], a8[s][2]);
-            e2m1x8_to_e4m3(wb[s], tb, a8[s][1], a8[s][3]);
-          }
-          const float fa = ue8m0_float(ma), fb = ue8m0_float(mb);
+          float fa, fb;
+          decode_weights_e4m3(a8, fa, fb, tile_a(stage), tile_sw(stage), fold_tables,
+                              (kSlices * consumer + ls) * 64 + quad_row, g, q);
           const float* factors = reinterpret_cast<const float*>(bf + 2 * kBlockM * 128) + g * kBlockM;
           float fc[kBlockM / 4];
 #pragma unroll
