@@ -74,7 +74,7 @@ fi
 if has profile; then
   for case in ${PROFILE_CASES:-fp8:fp8}; do
     (cd benchmarks && python3 profile_moe.py --model "${PROFILE_MODEL:-V4-Flash}" --tokens "${PROFILE_TOKENS:-1,128,8192}" \
-      --format "${case%%:*}" --act-format "${case##*:}" ${PROFILE_TIMELINE:+--timeline})
+      --format "${case%%:*}" --act-format "${case##*:}" $([ "${PROFILE_TIMELINE:-0}" = 1 ] && echo --timeline))
   done 2>&1 | tee "$out/profile.log"
 fi
 if has ncu; then

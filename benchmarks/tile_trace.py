@@ -93,7 +93,8 @@ def parse(lines):
                                span_cycles=int(f[8]) if len(f) > 8 and int(f[8]) >= 0 else None))
         elif on and f[1] == "E":
             entries[int(f[2])] = int(f[4])
-            kernels.append(dict(kernel="gemm", block=int(f[2]), stamps=[int(f[5]), int(f[4])]))
+            name = "gemm" if int(f[2]) < 1024 else "gemm-l2"  # the FP4 kernels' L2 launch prints from 1024
+            kernels.append(dict(kernel=name, block=int(f[2]), stamps=[int(f[5]), int(f[4])]))
         elif on and f[1] == "S":  # the CTA's whole walk: per gemm tiles, ns to first full stage / main loop / phases
             v = [int(x) for x in f[3:20]]
             walks[int(f[2])] = dict(l1=v[0:8], l2=v[8:16], exit=v[16])
@@ -160,7 +161,7 @@ def chain(kernels, t0) -> dict:
         ks = [k for k in kernels if k["kernel"] == name]
         row = dict(blocks=len(ks), entry=us(min(k["stamps"][0] for k in ks)),
                    waited_first=us(min(k["stamps"][1] for k in ks)), waited_last=us(max(k["stamps"][1] for k in ks)),
-                   end=us(max(k["stamps"][-1] for k in ks)) if name != "gemm" else None)
+                   end=us(max(k["stamps"][-1] for k in ks)) if not name.startswith("gemm") else None)
         out[name] = row
         end = f"{row['end']:7.1f}" if row["end"] is not None else "      -"
         print(f"  {name:13s} {row['blocks']:4d} {row['entry']:7.1f} {row['waited_first']:7.1f} - "

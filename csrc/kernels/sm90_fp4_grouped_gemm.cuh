@@ -495,12 +495,14 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       uint64_t trace_claim[kTraceTiles], trace_issue[kTraceTiles];  // claimed; first weight load issued
 #endif
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+#ifdef MEGAMOE_TILE_TRACE
+        // The claim before the tile search, as the FP8 producer stamps it (claim -> issue includes the search).
+        trace_cur = trace_n < kTraceTiles ? trace_n : -1;
+        if (lane == 0 && trace_cur >= 0) trace_tile[trace_n] = tile, trace_claim[trace_n] = ptx::globaltimer_ns();
+        if (trace_cur >= 0) ++trace_n;
+#endif
         const TileInfo t = decode_tile_warp(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
         if (lane != 0) continue;  // lanes 1-31 take part in the search only
-#ifdef MEGAMOE_TILE_TRACE
-        trace_cur = trace_n < kTraceTiles ? trace_n : -1;
-        if (trace_cur >= 0) trace_tile[trace_n] = tile, trace_claim[trace_n++] = ptx::globaltimer_ns();
-#endif
         const int weight_row = t.expert * p.n + t.n_block * kBlockN;
         for (int kb = 0; kb < num_kblocks; ++kb) {
           const bool full_stage = (kb + 1) * kBlockK <= p.k;
@@ -740,11 +742,11 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       const uint32_t bf_desc_lo = bf_tiles_desc_lo + b * (S::kTileBF / 16);
 #ifdef MEGAMOE_TILE_TRACE
       const int64_t trace_w0 = clock64();
-      if (kb == 0 && ctid == 0 && trace_n < kTraceTiles) trace_c[trace_n][0] = -trace_w0;
 #endif
       ptx::mbarrier_wait(&full[stage], phase);
 #ifdef MEGAMOE_TILE_TRACE
-      if (ctid == 0 && trace_n < kTraceTiles) trace_c[trace_n][1] += clock64() - trace_w0;
+      // From the tile's first full stage on, as the FP8 trace: the first wait is the tile's start, not loop time.
+      if (kb > 0 && ctid == 0 && trace_n < kTraceTiles) trace_c[trace_n][1] += clock64() - trace_w0;
 #endif
       if (kb == 0) {
         t = tile_infos[stage];
@@ -753,6 +755,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           trace_info[trace_n][0] = kIsL1 ? 0 : 1, trace_info[trace_n][1] = t.expert;
           trace_info[trace_n][2] = t.n_block, trace_info[trace_n][3] = t.rows;
           trace_t[trace_n][0] = ptx::globaltimer_ns();  // the tile's first stage is full
+          trace_c[trace_n][0] = -clock64();
         }
 #endif
         if constexpr (kEarlyEpilogueInputs) {
