@@ -102,6 +102,35 @@ __device__ __forceinline__ void zero_accumulators(float (&acc)[kSlices][kRegs]) 
     for (int i = 0; i < kRegs; ++i) acc[ls][i] = 0.0f;
 }
 
+// The slowest consumer warp (named barrier `barrier` over `threads`) ends the measurement: thread 0 stores the CTA's
+// cycles. The accumulators are stored only when iters < 0 (never): ptxas drops wgmmas whose results are never read.
+template <int kSlices, int kRegs>
+__device__ __forceinline__ void finish_measurement(int barrier, int threads, int64_t start, int iters, int64_t* cycles,
+                                                   const float (&acc)[kSlices][kRegs]) {
+  ptx::named_barrier_sync(barrier, threads);
+  const int64_t end = clock64();
+  if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
+  if (iters < 0) {
+#pragma unroll
+    for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) cycles[(ls * kRegs + i) * blockDim.x + threadIdx.x] = int64_t(acc[ls][i]);
+  }
+}
+
+// The FP8-path modes' inputs: the weight stages with scales 118-121 (shifts 0-3 through the fold tables), finite E4M3
+// token bytes [2 groups][64][128], token factors 1 and the fold tables.
+constexpr int kFp8Tokens = 2 * 64 * 128;  // E4M3 tokens [2 groups][64][128], 128B-swizzled
+__device__ __forceinline__ void fill_fp8_path_inputs(uint8_t* smem, uint8_t* tokens, float* tfac, uint2* tables) {
+  fill_weight_stages(smem);
+  for (int s = 0; s < kStages; ++s)
+    for (int i = threadIdx.x; i < kTileSW; i += blockDim.x) smem[s * kStage + kTileA + i] = 118 + (i * 7) % 4;
+  for (int i = threadIdx.x; i < kFp8Tokens / 4; i += blockDim.x)
+    reinterpret_cast<uint32_t*>(tokens)[i] = (uint32_t(i) * 2654435761u) & 0x77777777u;
+  for (int i = threadIdx.x; i < 2 * 64; i += blockDim.x) tfac[i] = 1.0f;
+  if (threadIdx.x < fp4::kNumFoldTables) tables[threadIdx.x] = fp4::make_fold_table(threadIdx.x);
+}
+
 // kMode: 0 full, 1 mma-wait, 2 decode, 3 mma-stream, 4 full with converters (see the file comment). kN: tokens (the
 // wgmma N); kSlices: 64-row weight slices per consumer warpgroup (the tile has 64 x kConsumers x kSlices weight rows).
 constexpr int kConverterThreads = 192;  // six warps, as the kernel's converters at block_m 32 / 64
@@ -213,16 +242,7 @@ __global__ void __launch_bounds__(128 * kConsumers + (kMode == 4) * kConverterTh
     if constexpr (kMode == 3) ptx::wgmma_wait<0>();
   }
   ptx::wgmma_wait<0>();
-  ptx::named_barrier_sync(1, 128 * kConsumers);  // the slowest consumer warp ends the measurement
-  const int64_t end = clock64();
-  if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
-  // Keeps the wgmmas (ptxas drops those whose accumulators are never read); iters is never negative.
-  if (iters < 0) {
-#pragma unroll
-    for (int ls = 0; ls < kSlices; ++ls)
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) cycles[(ls * kRegs + i) * blockDim.x + threadIdx.x] = int64_t(acc[ls][i]);
-  }
+  finish_measurement(1, 128 * kConsumers, start, iters, cycles, acc);
 #endif
 }
 
@@ -306,15 +326,7 @@ __global__ void __launch_bounds__(256, 1) pipe_kernel(int iters, int64_t* cycles
   for (int ls = 0; ls < kSlices; ++ls)
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc[ls][i]);
-  ptx::named_barrier_sync(1, 256);  // the slowest consumer warp ends the measurement
-  const int64_t end = clock64();
-  if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
-  if (iters < 0) {  // keeps the wgmmas (never runs)
-#pragma unroll
-    for (int ls = 0; ls < kSlices; ++ls)
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) cycles[(ls * kRegs + i) * blockDim.x + threadIdx.x] = int64_t(acc[ls][i]);
-  }
+  finish_measurement(1, 256, start, iters, cycles, acc);
 #endif
 }
 
@@ -324,7 +336,6 @@ __global__ void __launch_bounds__(256, 1) pipe_kernel(int iters, int64_t* cycles
 // an E4M3 token tile, a full wait, and the promotion with the rows' and 16 tokens' factors (the kernel's order).
 // fp8-mma: the same without the decode (fragments never rewritten); fp8-decode: the decode only. The FP8 ideal of a
 // stage is 1,024 cycles, half the BF16 one.
-constexpr int kFp8Tokens = 2 * 64 * 128;  // E4M3 tokens [2 groups][64][128], 128B-swizzled
 constexpr int kFp8Smem = kStages * kStage + kFp8Tokens + 2 * 64 * 4 + 256 + 1024;
 template <int kMode>  // 0 full, 1 mma, 2 decode
 __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cycles) {
@@ -336,13 +347,7 @@ __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cyc
   uint8_t* tokens = smem + kStages * kStage;
   float* tfac = reinterpret_cast<float*>(tokens + kFp8Tokens);  // token factors [2 groups][64]
   uint2* tables = reinterpret_cast<uint2*>(tfac + 2 * 64);
-  fill_weight_stages(smem);
-  for (int s = 0; s < kStages; ++s)  // scales 118-121: shifts 0-3 through the fold tables
-    for (int i = threadIdx.x; i < kTileSW; i += blockDim.x) smem[s * kStage + kTileA + i] = 118 + (i * 7) % 4;
-  for (int i = threadIdx.x; i < kFp8Tokens / 4; i += blockDim.x)  // finite E4M3 bytes
-    reinterpret_cast<uint32_t*>(tokens)[i] = (uint32_t(i) * 2654435761u) & 0x77777777u;
-  for (int i = threadIdx.x; i < 2 * 64; i += blockDim.x) tfac[i] = 1.0f;
-  if (threadIdx.x < fp4::kNumFoldTables) tables[threadIdx.x] = fp4::make_fold_table(threadIdx.x);
+  fill_fp8_path_inputs(smem, tokens, tfac, tables);
   ptx::fence_proxy_async_shared();
   __syncthreads();
   const int lane = threadIdx.x % 32;
@@ -401,15 +406,7 @@ __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cyc
       }
     }
   }
-  ptx::named_barrier_sync(1, 256);  // the slowest consumer warp ends the measurement
-  const int64_t end = clock64();
-  if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
-  if (iters < 0) {  // keeps the work (never runs)
-#pragma unroll
-    for (int ls = 0; ls < 2; ++ls)
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) cycles[(ls * kRegs + i) * blockDim.x + threadIdx.x] = int64_t(acc[ls][i]);
-  }
+  finish_measurement(1, 256, start, iters, cycles, acc);
 #endif
 }
 
@@ -420,7 +417,7 @@ __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cyc
 // while the wgmmas of group j run, since no wgmma input register is rewritten (within a stage: the stage's last group
 // is waited for before the next stage's first decode).
 constexpr int kSsUnit = 64 * 128;                           // one (group, slice) A tile: 64 rows x 128 K E4M3
-constexpr int kSsTokens = 2 * 64 * 128;                     // E4M3 tokens [2 groups][64][128]
+constexpr int kSsTokens = kFp8Tokens;                       // E4M3 tokens [2 groups][64][128]
 constexpr int kSsSmem = kStages * kStage + kSsTokens + 2 * 2 * kSsUnit + 2 * 64 * 4 + 1024 + 1024;
 __global__ void __launch_bounds__(256, 1) ss_kernel(int iters, int64_t* cycles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -432,15 +429,7 @@ __global__ void __launch_bounds__(256, 1) ss_kernel(int iters, int64_t* cycles) 
   uint8_t* abuf = tokens + kSsTokens;                       // [2 consumers][2 buffers][kSsUnit]
   float* tfac = reinterpret_cast<float*>(abuf + 2 * 2 * kSsUnit);  // token factors [2 groups][64]
   uint2* tables = reinterpret_cast<uint2*>(tfac + 2 * 64);
-  for (int s = 0; s < kStages; ++s) {
-    for (int i = threadIdx.x; i < kTileA / 4; i += blockDim.x)  // arbitrary E2M1 codes
-      reinterpret_cast<uint32_t*>(smem + s * kStage)[i] = (uint32_t(i + s) * 2654435761u);
-    for (int i = threadIdx.x; i < kTileSW; i += blockDim.x) smem[s * kStage + kTileA + i] = 118 + (i * 7) % 4;
-  }
-  for (int i = threadIdx.x; i < kSsTokens / 4; i += blockDim.x)  // finite E4M3 bytes
-    reinterpret_cast<uint32_t*>(tokens)[i] = (uint32_t(i) * 2654435761u) & 0x77777777u;
-  for (int i = threadIdx.x; i < 2 * 64; i += blockDim.x) tfac[i] = 1.0f;
-  if (threadIdx.x < fp4::kNumFoldTables) tables[threadIdx.x] = fp4::make_fold_table(threadIdx.x);
+  fill_fp8_path_inputs(smem, tokens, tfac, tables);
   ptx::fence_proxy_async_shared();
   __syncthreads();
   const int lane = threadIdx.x % 32, consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, q = lane % 4;
@@ -522,15 +511,7 @@ __global__ void __launch_bounds__(256, 1) ss_kernel(int iters, int64_t* cycles) 
     }
   }
   ptx::wgmma_wait<0>();
-  ptx::named_barrier_sync(3, 256);  // the slowest consumer warp ends the measurement
-  const int64_t end = clock64();
-  if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
-  if (iters < 0) {  // keeps the wgmmas (never runs)
-#pragma unroll
-    for (int ls = 0; ls < 2; ++ls)
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) cycles[(ls * kRegs + i) * blockDim.x + threadIdx.x] = int64_t(acc[ls][i]);
-  }
+  finish_measurement(3, 256, start, iters, cycles, acc);
 #endif
 }
 
