@@ -7,7 +7,7 @@ The FP4 grouped GEMM at V4-Flash T=2048 spends ~5,100 cycles per 256-K stage of 
 (docs/perf-notes.md, eighteenth session). This probe runs only the consumers' stage loop, with the kernel's own
 decode (kernels::fp4::decode_weights) and register-A wgmmas (m64n64k16, B = a bf16 token tile), on data that never
 changes: no producer, no converters, no barriers (the CTA is the consumer warpgroups alone, so ptxas may give them up
-to 255 registers; with the converters of full+conv, 448 threads, ptxas allocates 128 and spills 4 bytes, as the
+to 255 registers; with the converters of full+conv, 448 threads, ptxas allocates 128 (the measured build also spilled 4 bytes), as the
 kernel launches at 128 before setmaxnreg raises its consumers). Modes:
   full        decode + wgmmas, waiting for the unit's wgmmas before the next decode (the kernel's loop)
   mma-wait    the same wgmmas and waits, fragments never rewritten (no decode)
@@ -86,6 +86,11 @@ RS128_SRC
 template <int kN> struct Rs { using T = ptx::WgmmaBF16RS<kN>; };
 template <> struct Rs<128> { using T = WgmmaBF16RS128; };
 
+// The dynamic shared memory, from its first 1024-byte boundary (the 128B-swizzled tiles' alignment).
+__device__ __forceinline__ uint8_t* aligned_smem() {
+  extern __shared__ uint8_t smem_raw[];
+  return smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
+}
 // Arbitrary E2M1 codes and the UE8M0 scale byte 120 (2^-7) in every weight stage.
 __device__ __forceinline__ void fill_weight_stages(uint8_t* smem) {
   for (int s = 0; s < kStages; ++s) {
@@ -142,8 +147,7 @@ __global__ void __launch_bounds__(128 * kConsumers + (kMode == 4) * kConverterTh
   constexpr int kBlockM = kN, kTileBF = kN * 256 * 2;
   using Mma = typename Rs<kN>::T;
   constexpr int kRegs = Mma::kNumRegs;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* smem = aligned_smem();
   uint8_t* bf = smem + kStages * kStage;
   fill_weight_stages(smem);
   for (int i = threadIdx.x; i < (kConv ? 2 : 1) * kTileBF / 4; i += blockDim.x)
@@ -257,8 +261,7 @@ __global__ void __launch_bounds__(256, 1) pipe_kernel(int iters, int64_t* cycles
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Mma = typename Rs<kN>::T;
   constexpr int kRegs = Mma::kNumRegs, kUnits = 2 * kSlices, kBlockM = kN;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* smem = aligned_smem();
   uint8_t* bf = smem + kStages * kStage;
   fill_weight_stages(smem);
   for (int i = threadIdx.x; i < kN * 256 * 2 / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(bf)[i] = 0x3F803F80u;
@@ -342,8 +345,7 @@ __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cyc
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Mma = ptx::WgmmaFP8RS<64>;
   constexpr int kRegs = Mma::kNumRegs;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* smem = aligned_smem();
   uint8_t* tokens = smem + kStages * kStage;
   float* tfac = reinterpret_cast<float*>(tokens + kFp8Tokens);  // token factors [2 groups][64]
   uint2* tables = reinterpret_cast<uint2*>(tfac + 2 * 64);
@@ -423,8 +425,7 @@ __global__ void __launch_bounds__(256, 1) ss_kernel(int iters, int64_t* cycles) 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Mma = ptx::WgmmaFP8<64>;
   constexpr int kRegs = Mma::kNumRegs;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* smem = aligned_smem();
   uint8_t* tokens = smem + kStages * kStage;
   uint8_t* abuf = tokens + kSsTokens;                       // [2 consumers][2 buffers][kSsUnit]
   float* tfac = reinterpret_cast<float*>(abuf + 2 * 2 * kSsUnit);  // token factors [2 groups][64]
@@ -438,10 +439,7 @@ __global__ void __launch_bounds__(256, 1) ss_kernel(int iters, int64_t* cycles) 
   uint8_t* my_buf = abuf + consumer * 2 * kSsUnit;
   const uint32_t buf_lo = ptx::smem_desc_sw128_lo(my_buf);
   float acc[2][kRegs], part[2][kRegs];
-#pragma unroll
-  for (int ls = 0; ls < 2; ++ls)
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc[ls][i] = 0.0f;
+  zero_accumulators(acc);
   float prev_fa = 0.0f, prev_fb = 0.0f;
   // Promotes unit (g, ls)'s partial (buffer u's) into the slice's accumulator, as the kernel's FP8-wgmma path.
   auto promote = [&](int u, int g, int ls) {
@@ -462,22 +460,13 @@ __global__ void __launch_bounds__(256, 1) ss_kernel(int iters, int64_t* cycles) 
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int g = j / 2, ls = j % 2, u = j % 2;  // four units per stage: buffer u alternates across stages too
-      const int row = (2 * consumer + ls) * 64 + quad_row;
-      const int unit = ((4 * g + q) ^ (row % 8)) << 4;
-      const uint4 ra = *reinterpret_cast<const uint4*>(tile_a + row * 128 + unit);
-      const uint4 rb = *reinterpret_cast<const uint4*>(tile_a + (row + 8) * 128 + unit);
-      const uint32_t ea = tile_sw[row * 16 + 4 * g + q], eb = tile_sw[(row + 8) * 16 + 4 * g + q];
-      uint32_t ma = max(ea, __shfl_xor_sync(0xffffffffu, ea, 1)), mb = max(eb, __shfl_xor_sync(0xffffffffu, eb, 1));
-      ma = max(ma, __shfl_xor_sync(0xffffffffu, ma, 2)), mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
-      const uint2 ta = tables[min(int(ma - ea), fp4::kNumFoldTables - 1)];
-      const uint2 tb = tables[min(int(mb - eb), fp4::kNumFoldTables - 1)];
-      const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
-      uint32_t oa[8], ob[8];
+      uint32_t a8[4][4];  // the kernel's FP8-path decode; k32 step s: rows r (0, 2) and r + 8 (1, 3), lo / hi words
+      float fa, fb;
+      fp4::decode_weights_e4m3(a8, fa, fb, tile_a, tile_sw, tables, (2 * consumer + ls) * 64 + quad_row, g, q);
+      uint32_t oa[8], ob[8];  // each row's 32 K in order: step s's lo and hi words
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        fp4::e2m1x8_to_e4m3(wa[s], ta, oa[2 * s], oa[2 * s + 1]);
-        fp4::e2m1x8_to_e4m3(wb[s], tb, ob[2 * s], ob[2 * s + 1]);
-      }
+      for (int s = 0; s < 4; ++s)
+        oa[2 * s] = a8[s][0], oa[2 * s + 1] = a8[s][2], ob[2 * s] = a8[s][1], ob[2 * s + 1] = a8[s][3];
       // Buffer u was last read by the wgmmas two units back, which the wait below (one unit back) has retired.
       uint8_t* buf = my_buf + u * kSsUnit;
       const int r0 = quad_row, r1 = quad_row + 8;  // rows within the 64-row slice; 16-byte chunks 2q, 2q + 1
@@ -503,7 +492,7 @@ __global__ void __launch_bounds__(256, 1) ss_kernel(int iters, int64_t* cycles) 
       // wgmma otherwise, C7514).
       ptx::wgmma_wait<1>();
       if (j > 0) promote(u ^ 1, (j - 1) / 2, (j - 1) % 2);
-      prev_fa = fp4::ue8m0_float(ma), prev_fb = fp4::ue8m0_float(mb);
+      prev_fa = fa, prev_fb = fb;
       if (j == 3) {
         ptx::wgmma_wait<0>();
         promote(u, 1, 1);
