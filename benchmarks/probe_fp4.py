@@ -7,8 +7,8 @@ The FP4 grouped GEMM at V4-Flash T=2048 spends ~5,100 cycles per 256-K stage of 
 (docs/perf-notes.md, eighteenth session). This probe runs only the consumers' stage loop, with the kernel's own
 decode (kernels::fp4::decode_weights) and register-A wgmmas (m64n64k16, B = a bf16 token tile), on data that never
 changes: no producer, no converters, no barriers (the CTA is the consumer warpgroups alone, so ptxas may give them up
-to 255 registers; with the converters of full+conv, 448 threads, ptxas allocates 128 (the measured build also spilled 4 bytes), as the
-kernel launches at 128 before setmaxnreg raises its consumers). Modes:
+to 255 registers; with the converters of full+conv, 448 threads, ptxas allocates 128 (the measured build also spilled
+4 bytes), as the kernel launches at 128 before setmaxnreg raises its consumers). Modes:
   full        decode + wgmmas, waiting for the unit's wgmmas before the next decode (the kernel's loop)
   mma-wait    the same wgmmas and waits, fragments never rewritten (no decode)
   decode      the decode only, each fragment folded into the accumulator by XORs (no wgmma)
