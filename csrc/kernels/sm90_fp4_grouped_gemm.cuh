@@ -479,6 +479,14 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     // ======================================================================== producer, converters
     ptx::setmaxnreg_dec<R::kProducerRegs>();
     const int warp = threadIdx.x / 32;
+    // The CTA's first tile: the weights and weight scales of its first `early` stages load before the grid dependency
+    // wait (they never come from an earlier kernel, and the routing metadata the tile search reads is final at launch,
+    // see num_tiles), so that they stream while the predecessor finishes, as the FP8 kernel's weight producer does.
+    // Those stages are free: no consumer has run yet. NOTES: at T=1 the L1 / L2 tiles' claim -> first full stage took
+    // 5-6 us (H100 tile trace, 2026-11-26); with this, H100 A/B (V4-Flash, every FP4 format pair, 1 round,
+    // docs/bench/h100-2026-11-26-ab-fp4-early-weights.json): T=1 -2 to -7 %, T=16 -2 to -4 % per replay and in a
+    // graph; T=128 / 2048 within the run's noise.
+    const int early = blockIdx.x < num_tiles ? min(kNumStages, num_kblocks) : 0;
     // The whole TMA warp finds each tile (decode_tile_warp: 3 L2 round trips, as the FP8 producer, instead of
     // decode_tile's ~10 dependent loads); lane 0 issues.
     if (warp == 0) {
@@ -486,36 +494,59 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         ptx::prefetch_tensormap(&tmap_weights);
         ptx::prefetch_tensormap(&tmap_acts);
       }
-      ptx::grid_dependency_wait();
-      if (lane == 0) ptx::launch_dependents();
       int stage = 0;
       uint32_t phase = 0;
 #ifdef MEGAMOE_TILE_TRACE
       int trace_n = 0, trace_cur = -1, trace_tile[kTraceTiles];    // trace_cur: the slot of the tile being issued
       uint64_t trace_claim[kTraceTiles], trace_issue[kTraceTiles];  // claimed; first weight load issued
 #endif
-      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      auto claim = [&](int tile) {
 #ifdef MEGAMOE_TILE_TRACE
         // The claim before the tile search, as the FP8 producer stamps it (claim -> issue includes the search).
         trace_cur = trace_n < kTraceTiles ? trace_n : -1;
         if (lane == 0 && trace_cur >= 0) trace_tile[trace_n] = tile, trace_claim[trace_n] = ptx::globaltimer_ns();
         if (trace_cur >= 0) ++trace_n;
 #endif
-        const TileInfo t = decode_tile_warp(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+        return decode_tile_warp(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+      };
+      auto stage_bytes = [&](int kb) {
+        uint32_t bytes = S::kTileA;
+        if constexpr (kActFP4) bytes += kBlockM * 128;
+        else bytes += ((kb + 1) * kBlockK <= p.k ? 2 : 1) * kBlockM * 128;
+        return bytes;
+      };
+      TileInfo first{};
+      if (early > 0) {
+        first = claim(blockIdx.x);
+        if (lane == 0) {
+          tile_infos[0] = first;
+          for (int kb = 0; kb < early; ++kb) {
+            ptx::mbarrier_arrive_expect_tx(&full[kb], stage_bytes(kb));
+            ptx::tma_load_2d(tile_a(kb), &tmap_weights, &full[kb], kb * (kBlockK / 2), first.expert * p.n + first.n_block * kBlockN);
+          }
+#ifdef MEGAMOE_TILE_TRACE
+          if (trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
+#endif
+        }
+      }
+      ptx::grid_dependency_wait();
+      if (lane == 0) ptx::launch_dependents();
+      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        const bool is_first = tile == blockIdx.x;
+        const TileInfo t = is_first ? first : claim(tile);
         if (lane != 0) continue;  // lanes 1-31 take part in the search only
         const int weight_row = t.expert * p.n + t.n_block * kBlockN;
         for (int kb = 0; kb < num_kblocks; ++kb) {
           const bool full_stage = (kb + 1) * kBlockK <= p.k;
-          uint32_t bytes = S::kTileA;
-          if constexpr (kActFP4) bytes += kBlockM * 128;
-          else bytes += (full_stage ? 2 : 1) * kBlockM * 128;
-          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
-          if (kb == 0) tile_infos[stage] = t;
-          ptx::mbarrier_arrive_expect_tx(&full[stage], bytes);
-          ptx::tma_load_2d(tile_a(stage), &tmap_weights, &full[stage], kb * (kBlockK / 2), weight_row);
+          if (!is_first || kb >= early) {
+            ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+            if (kb == 0) tile_infos[stage] = t;
+            ptx::mbarrier_arrive_expect_tx(&full[stage], stage_bytes(kb));
+            ptx::tma_load_2d(tile_a(stage), &tmap_weights, &full[stage], kb * (kBlockK / 2), weight_row);
 #ifdef MEGAMOE_TILE_TRACE
-          if (kb == 0 && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
+            if (kb == 0 && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
 #endif
+          }
           if constexpr (kActFP4) {
             ptx::tma_load_2d(tile_b(stage), &tmap_acts, &full[stage], kb * (kBlockK / 2), t.row0);
           } else {
@@ -545,45 +576,53 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       const int act_blocks = p.k / kABlk;
       const int64_t pool_rows = l.pool_rows;  // a multiple of 128: every window word is 4-byte aligned
       const int64_t total_rows = int64_t(num_experts) * p.n;
+      auto copy_weight_scales = [&](const TileInfo& t, int kb, uint8_t* dst) {
+        const int64_t weight_row = int64_t(t.expert) * p.n + t.n_block * kBlockN;
+        if (p.wide_scale_copies && (kb + 1) * kBlockK <= p.k) {
+          // One 8-byte (MXFP4) or 16-byte (NVFP4) copy per row: a quarter of the 4-byte copies, whose
+          // count made this warp the limiter for NVFP4 (1,024 per stage).
+          const int col = kb * (kBlockK / kWBlk);
+#pragma unroll 1
+          for (int r = lane; r < kBlockN; r += 32) {
+            if (weight_row + r >= total_rows) break;
+            const uint8_t* src = p.weights_sf + (weight_row + r) * row_bytes + col;
+            if constexpr (kWWords == 4) ptx::cp_async_16(dst + r * kScaleWordsBytes, src);
+            else ptx::cp_async_8(dst + r * kScaleWordsBytes, src);
+          }
+        } else {
+#pragma unroll 1
+          for (int i = lane; i < kBlockN * kWWords; i += 32) {
+            const int r = i / kWWords, word = i % kWWords;
+            const int col = kb * (kBlockK / kWBlk) + 4 * word;
+            if (weight_row + r < total_rows && col < row_bytes)
+              ptx::cp_async_4(dst + r * kScaleWordsBytes + 4 * word, p.weights_sf + (weight_row + r) * row_bytes + col);
+          }
+        }
+      };
+      // The first tile's early stages: weight scales before the grid dependency wait, as the TMA warp's weights.
+      const TileInfo first = early > 0 ? decode_tile_warp(blockIdx.x, tile_offset, expert_offset, num_experts,
+                                                          num_nblocks, kBlockM) : TileInfo{};
+      for (int kb = 0; kb < early; ++kb) copy_weight_scales(first, kb, tile_sw(kb));
       // The token scales come from the grid before this one (gather, or L1 for L2): wait for it as the
       // TMA thread does (without this wait L2's scales raced with L1's epilogue and runs differed).
       ptx::grid_dependency_wait();
       int stage = 0;
       uint32_t phase = 0;
       for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        const TileInfo t = decode_tile_warp(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
-        const int64_t weight_row = int64_t(t.expert) * p.n + t.n_block * kBlockN;
+        const bool is_first = tile == blockIdx.x;
+        const TileInfo t = is_first ? first : decode_tile_warp(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
         for (int kb = 0; kb < num_kblocks; ++kb) {
-          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
-          uint8_t* dst = tile_sw(stage);
-          if (p.wide_scale_copies && (kb + 1) * kBlockK <= p.k) {
-            // One 8-byte (MXFP4) or 16-byte (NVFP4) copy per row: a quarter of the 4-byte copies, whose
-            // count made this warp the limiter for NVFP4 (1,024 per stage).
-            const int col = kb * (kBlockK / kWBlk);
-#pragma unroll 1
-            for (int r = lane; r < kBlockN; r += 32) {
-              if (weight_row + r >= total_rows) break;
-              const uint8_t* src = p.weights_sf + (weight_row + r) * row_bytes + col;
-              if constexpr (kWWords == 4) ptx::cp_async_16(dst + r * kScaleWordsBytes, src);
-              else ptx::cp_async_8(dst + r * kScaleWordsBytes, src);
-            }
-          } else {
-#pragma unroll 1
-            for (int i = lane; i < kBlockN * kWWords; i += 32) {
-              const int r = i / kWWords, word = i % kWWords;
-              const int col = kb * (kBlockK / kWBlk) + 4 * word;
-              if (weight_row + r < total_rows && col < row_bytes)
-                ptx::cp_async_4(dst + r * kScaleWordsBytes + 4 * word,
-                                p.weights_sf + (weight_row + r) * row_bytes + col);
-            }
+          if (!is_first || kb >= early) {
+            ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+            copy_weight_scales(t, kb, tile_sw(stage));
           }
           uint8_t* dst_a = tile_sa(stage);
           constexpr int kSAWords = S::kSARow / 4;
-          const int first = t.row0 & ~3;
+          const int first_word_row = t.row0 & ~3;
 #pragma unroll 1
           for (int i = lane; i < kABlocks * kSAWords; i += 32) {
             const int r = i / kSAWords, word = i % kSAWords;
-            const int blk = kb * kABlocks + r, row = first + 4 * word;
+            const int blk = kb * kABlocks + r, row = first_word_row + 4 * word;
             if (blk < act_blocks && row < pool_rows)
               ptx::cp_async_4(dst_a + r * S::kSARow + 4 * word, p.acts_sf + blk * pool_rows + row);
           }
