@@ -164,6 +164,23 @@ def test_mxfp4_fp8_mma_scale_range(act_format, scale_byte, monkeypatch):
 
 
 @combo
+@pytest.mark.parametrize("shape", [(16, 384, 256, 4), (64, 640, 896, 8)])
+def test_forced_block_m_equal(weight_format, act_format, shape, monkeypatch):
+    """MEGAMOE_FP4_BLOCK_M=16 / 32 / 64 (tests, A/Bs) runs the same arithmetic on other tiles: per output, the same
+    K order and the same epilogue math (one 64-row slice per consumer at block_m 16, two at 32 / 64), so the outputs
+    are bitwise equal, on poisoned outputs, with hot experts of several token blocks. The default too."""
+    e, h, i, k = shape
+    case = make_case(e, h, i, k, 113, weight_format, act_format, device="cuda", seed=71 + e)
+    skew_first_slot(case, e)
+    monkeypatch.delenv("MEGAMOE_FP4_BLOCK_M", raising=False)
+    default = run_poisoned(case)
+    assert rel_err(default, case.ref) <= TOL
+    for block_m in (16, 32, 64):
+        monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", str(block_m))
+        assert torch.equal(run_poisoned(case), default), f"block_m {block_m}"
+
+
+@combo
 def test_masked_tokens_are_zero(weight_format, act_format):
     case = make_case(8, 256, 384, 3, 64, weight_format, act_format, device="cuda", masked_fraction=0.5, seed=3)
     idx = case.topk_idx.clone()

@@ -42,10 +42,31 @@ static_assert(num_stages_for(16) == 6 && num_stages_for(32) == 5 && num_stages_f
 // V4-Pro T=8192 (128 rows, half the experts over 128) +1.9 / +0.5 % and V4-Flash T=8192 (192 rows) +3.3 / +3.7 %;
 // with this cut (-cut.json) V4-Flash T=3072 (72 rows) -2.4 / -8.9 %, T=4096 -3.7 / -2.8 %, V4-Pro T=6144 (96 rows)
 // -11.7 / -10.8 %. So 64 < rows <= 112 (the cut between the measured 96 and 128 rows is not measured itself).
-// MEGAMOE_FP8_BLOCK_M=16/32/64/128 (read per call; tests) forces the FP8 kernel's.
+// 16 / 32 / 64: an expert's rows scatter around the mean (uniform routing: Poisson-like), and each row past a block
+// costs a whole second tile (its weights streamed again, mostly from L2; for FP4 decoded again, which bounds those
+// kernels), so a block is taken only up to ~85 % of its width. NOTES: H100 A/Bs (2026-11-26, 1 round each; time per
+// replay and in a graph). FP4, every format pair (docs/bench/h100-2026-11-26-ab-fp4-block-m.json): at 16 rows (V4-Pro
+// T=1024) block_m 32 ran 16-24 % faster than 16, at 32 rows (V4-Pro T=2048) 64 ran 10-14 % faster than 32; at 12 rows
+// (V4-Flash T=512) 16 beat 32 by 4-25 %, at 24 (V4-Flash T=1024) 32 beat 64 by 15-36 %, at 4-8 rows 16 beat 32 by
+// 5-34 %. FP8 (-ab-fp8-block-m.json): 16 rows 32 -6.5 %, 32 rows 64 -5 %, 12 rows 32 or 64 within 1 % of 16. The cuts
+// (13 and 27 rows) are not measured themselves: they lie between those points, where a Poisson count passes its block
+// ~20 % of the time (about what the next block width costs the FP4 kernels where nothing passes). Before: 16 / 32 / 64
+// up to 16 / 32 / 64 rows.
+// MEGAMOE_FP8_BLOCK_M=16/32/64/128 and MEGAMOE_FP4_BLOCK_M=16/32/64 (read per call; tests) force the kernels'.
 inline int token_block_for(int64_t rows, int max_block_m) {
-  const int b = rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : rows <= 112 ? 128 : 64;
+  const int b = rows <= 13 ? 16 : rows <= 27 ? 32 : rows <= 64 ? 64 : rows <= 112 ? 128 : 64;
   return b < max_block_m ? b : max_block_m;
+}
+
+// `var` (read per call; tests and A/Bs), if set to a token block of 16 up to max_block_m, replaces block_m.
+inline int forced_block_m(const char* var, int block_m, int max_block_m) {
+  const char* env = std::getenv(var);
+  if (env == nullptr || env[0] == '\0') return block_m;
+  const int forced = std::atoi(env);
+  if ((forced == 16 || forced == 32 || forced == 64 || forced == 128) && forced <= max_block_m) return forced;
+  std::fprintf(stderr, "megamoe: %s=%s ignored (expected 16, 32%s)\n", var, env,
+               max_block_m == 128 ? ", 64 or 128" : " or 64");
+  return block_m;
 }
 
 // MEGAMOE_PRINT_CONFIGS: each configuration chosen, once per problem shape and weight family.
@@ -68,16 +89,7 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   const int64_t slots = num_tokens * top_k;
   const int64_t rows = slots <= num_experts ? 1 : (slots + num_experts - 1) / num_experts;
   GroupedGemmConfig c;
-  c.block_m = token_block_for(rows, 128);
-  const char* block_env = std::getenv("MEGAMOE_FP8_BLOCK_M");
-  if (block_env != nullptr && block_env[0] != '\0') {
-    const int forced_block = std::atoi(block_env);
-    if (forced_block != 16 && forced_block != 32 && forced_block != 64 && forced_block != 128) {
-      std::fprintf(stderr, "megamoe: MEGAMOE_FP8_BLOCK_M=%s ignored (expected 16, 32, 64 or 128)\n", block_env);
-    } else {
-      c.block_m = forced_block;
-    }
-  }
+  c.block_m = forced_block_m("MEGAMOE_FP8_BLOCK_M", token_block_for(rows, 128), 128);
   // NOTES: one launch for L1 and L2 (L2 tiles start as soon as their expert's L1 tiles are stored, on SMs
   // that finished L1, instead of after L1's tail and a second launch ramp). H100 A/B of this kernel vs two
   // launches (2026-11-23, docs/bench/h100-2026-11-23b-ab-fused-v2*.json): V4-Pro T=1 / 2048 / 4096 -4.3 / -16 /
@@ -147,13 +159,12 @@ constexpr int fp4_num_stages_for(int block_m, bool act_fp4) {
   return (227 * 1024 - fp4_fixed_bytes(block_m)) / fp4_stage_bytes(block_m, act_fp4);
 }
 
-// NOTES: the token block follows the same rule as the FP8 kernel (rows per touched expert); decode is
-// bound by the packed weight bytes either way.
 inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts,
                                                  int64_t hidden, int64_t intermediate, bool act_fp4) {
   const int64_t slots = num_tokens * top_k;
   GroupedGemmConfig c;
-  c.block_m = token_block_for(slots <= num_experts ? 1 : (slots + num_experts - 1) / num_experts, 64);
+  c.block_m = forced_block_m("MEGAMOE_FP4_BLOCK_M",
+                             token_block_for(slots <= num_experts ? 1 : (slots + num_experts - 1) / num_experts, 64), 64);
   c.num_stages = fp4_num_stages_for(c.block_m, act_fp4);
   c.fused = false;  // the FP4 kernels run L1 and L2 as two launches
   c.pairs = false;
