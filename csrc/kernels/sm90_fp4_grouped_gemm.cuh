@@ -70,8 +70,10 @@ constexpr int kBlockK = 256;  // K per stage (128 packed bytes per weight row)
 // Consumer warpgroups per block. Decode (block_m 16): four, one 64-row slice each, so that every
 // scheduler has four consumer warps to switch between (the decode and the wgmma waits of one warp are
 // latency-bound: ncu saw 2.5 active, 0.73 eligible warps per scheduler with two consumer warpgroups).
-// block_m 32 and 64: two, two slices each (with four, block_m 32 spilled under the 96 registers a thread
-// gets at launch, which is what ptxas allocates for).
+// block_m 32 and 64: two, two slices each. NOTES: block_m 32 with four (640 threads: 104 registers per consumer
+// thread after setmaxnreg; L1 spilled 16-36 bytes, L2 none; two converter warps) ran 1-24 % slower than with two at
+// 16-36 rows per expert and -2 to +7 % at 4-12 rows, every FP4 pair, both models (H100, 2026-11-26, both forced to
+// block_m 32; docs/bench/h100-2026-11-26-ab-fp4-bm32-four-consumers-rejected.json).
 // NOTES: four consumer warpgroups in L2 at block_m 32 / 64 (no spill there; 640 threads with two converter warps, or
 // 768 with the converter warpgroup) were 3-7 % / 0-6 % slower at V4-Flash T=2048 and 8192 (H100, 2026-11-25, in a
 // graph; docs/bench/h100-2026-11-25g-ab-l2-four-consumers-rejected.json): more consumer warps per scheduler did not
