@@ -118,9 +118,10 @@ PATCHES = {
          "  lo = w ^ t.x, hi = x4 ^ t.y;"),
     ],
     "fp4-no-weight-tma": [
-        ("          uint32_t bytes = S::kTileA;", "          uint32_t bytes = 0 * S::kTileA;"),
-        ("          ptx::tma_load_2d(tile_a(stage), &tmap_weights,",
-         "          if (false) ptx::tma_load_2d(tile_a(stage), &tmap_weights,"),
+        ("        uint32_t bytes = S::kTileA;", "        uint32_t bytes = 0 * S::kTileA;"),
+        ("            ptx::tma_load_2d(tile_a(kb), &tmap_weights,", "            if (false) ptx::tma_load_2d(tile_a(kb), &tmap_weights,"),
+        ("            ptx::tma_load_2d(tile_a(stage), &tmap_weights,",
+         "            if (false) ptx::tma_load_2d(tile_a(stage), &tmap_weights,"),
     ],
     "fp4-no-mma": [
         ("            MmaFP8::run(part, a8[s], ptx::smem_desc_sw128(bf_desc_lo + (g * kBlockM * 128 + s * 32) / 16), s > 0);",
