@@ -196,8 +196,8 @@ def summarize(tiles, claims, entries, shape) -> dict:
         # Epilogue phases (µs each, medians): L1 SwiGLU, token amax shared, quantized, stored, counted (fused);
         # L2 staged, copies issued (FP8: bulk copies, not waited for), the rest.
         names = ("swiglu", "amax", "quantize", "store", "count") if gemm == 0 else ("stage", "copy-out", "rest")
-        if weight_bytes < 1:
-            names = ("epilogue",)  # the FP4 kernels record the epilogue as one phase
+        if weight_bytes < 1:  # FP4: joined = every consumer warpgroup past its main loop (their drift)
+            names = ("joined", "swiglu+amax", "quantize", "store") if gemm == 0 else ("joined", "stage", "store")
         marks = lambda t: [t["main_end"]] + t["epilogue"][:len(names) - 1] + [t["end"]]  # noqa: E731
         row["epilogue_phases_us"] = {n: statistics.median((marks(t)[j + 1] - marks(t)[j]) / 1e3 for t in ts)
                                      for j, n in enumerate(names)}

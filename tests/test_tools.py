@@ -71,11 +71,11 @@ def test_tile_trace_parses_clock_fields():
 
 def test_tile_trace_fp4_records(capsys):
     """FP4 kernels: the stage fields of SHAPE (256 K of 0.5-byte weights), producer cycles not recorded (-1), no
-    whole-walk sums, and one epilogue phase; per-stage cycles and GB/s use the FP4 stage."""
+    whole-walk sums, and the epilogue phases (L2: joined, staged, stored); per-stage cycles and GB/s use the FP4 stage."""
     trace = load_tool("tile_trace")
     lines = ["MMTRACE MARK", "MMTRACE E 1024 5 1000 900", "MMTRACE P 1024 5 7 950 960 -1 -1",
              "MMTRACE S 1024 " + " ".join(["0"] * 16) + " 90000",
-             "MMTRACE C 1024 5 1 3 0 1 2000 82000 86000 86000 86000 86000 86000 144000 16000",
+             "MMTRACE C 1024 5 1 3 0 1 2000 82000 86000 83000 85000 86000 86000 144000 16000",
              "MMTRACE END", "MMTRACE SHAPE 4096 2048 6 256 256 0.5"]
     tiles, claims, entries, kernels, shape, walks = trace.parse(lines)
     assert shape == (4096, 2048, 6, 256, 256, 0.5)
@@ -83,7 +83,8 @@ def test_tile_trace_fp4_records(capsys):
     assert trace.walk_totals(walks, entries) == {}
     out = trace.summarize(tiles, claims, entries, shape)
     l2 = out["L2"]
-    assert l2["epilogue_phases_us"] == {"epilogue": pytest.approx(4.0)}
+    assert l2["epilogue_phases_us"] == {"joined": pytest.approx(1.0), "stage": pytest.approx(2.0),
+                                        "store": pytest.approx(1.0)}
     assert l2["cycles_per_kblock_median"] == pytest.approx(144000 / 8)  # K = 2048: 8 stages of 256
     assert l2["gbps_per_tile_median"] == pytest.approx(256 * 2048 * 0.5 / 80.0 / 1e3)  # bytes over the 80 µs loop
     assert "producer_span_per_kblock_median" not in l2

@@ -716,11 +716,20 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   const uint64_t trace_entry = ptx::globaltimer_ns();  // after the grid dependency wait
   int trace_n = 0, trace_info[kTraceTiles][4];
   uint64_t trace_t[kTraceTiles][3];
+  uint64_t trace_e[kTraceTiles][3] = {};  // epilogue phase ends (see tile_trace.py: L1 joined, swiglu, quantize; L2 joined, staged)
   int64_t trace_c[kTraceTiles][2] = {};  // main-loop cycles, of which waiting for full stages
 #endif
   const int consumer = warpgroup - 1;                 // owns the slices [kSlices c, kSlices c + kSlices)
   const int warp = (threadIdx.x / 32) % 4;            // warp within the warpgroup
   const int ctid = threadIdx.x - 128;                 // 0 .. kNumConsumerThreads - 1
+  // Diagnostic builds: the end of epilogue phase j of the current tile (consumer 0's view).
+  auto trace_phase = [&](int j) {
+#ifdef MEGAMOE_TILE_TRACE
+    if (ctid == 0 && trace_n < kTraceTiles) trace_e[trace_n][j] = ptx::globaltimer_ns();
+#else
+    (void)j;
+#endif
+  };
   const int q = lane % 4;
   const int quad_row = warp * 16 + lane / 4;          // this thread's first row in a 64-row slice
   int stage = 0, b = 0;
@@ -910,6 +919,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 
     // ======================================================================== epilogue
     ptx::named_barrier_sync(1, kNumConsumerThreads);  // every consumer's wgmmas on `epi` have finished
+    trace_phase(0);
     if constexpr (!kEarlyEpilogueInputs) load_factors(t);
     if constexpr (kIsL1) {
       // SwiGLU: gate rows (even slice) with the matching up rows (the next slice). With one slice per
@@ -954,35 +964,50 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         // (xor 4, 8, 16), then shared memory.
         float* amax_smem = reinterpret_cast<float*>(epi);             // [8 warps][kBlockM]
         uint8_t* out_tile = epi + 8 * kBlockM * 4;                    // [kBlockM][128] codes / E4M3
+        float* inv_smem = reinterpret_cast<float*>(out_tile + kBlockM * 128);  // [4 blocks][kBlockM] 1 / scale
+        static_assert(8 * kBlockM * 4 + kBlockM * 128 + 4 * kBlockM * 4 <= S::kTileBF, "L1 epilogue scratch");
         if (has_outputs) store_token_amax<kBlockM>(acc_gate, amax_smem + (pair * 4 + warp) * kBlockM, lane);
         ptx::named_barrier_sync(1, kNumConsumerThreads);
+        trace_phase(1);
+        // One thread per (32-output block, token) takes the block's scale from its two warps' amax, stores it (UE8M0)
+        // and its exact reciprocal; the quantize below multiplies by that (== the division, bit for bit).
+        // NOTES: every thread computed the scales of its own 4 (block_m 16) to 16 tokens before: a division chain with
+        // slow-path branches per token, ~500 instructions of the quantize phase, which took 1.4-2.1 us per block_m 16
+        // tile (H100 tile trace, 2026-11-26, docs/bench/h100-2026-11-26-trace-phases-*.txt). With this, H100 A/B (2
+        // rounds, both models, T = 1-2048, docs/bench/h100-2026-11-26-ab-fp4-l1-scales-once.json): 0.950-1.000 per
+        // replay, median 0.986, where the L1 quantizes (MXFP4 / FP8 tokens); NVFP4-token rows (no change) 0.986-1.004.
+        static_assert(4 * kBlockM <= kNumConsumerThreads, "a scale per consumer thread");
+        if (ctid < 4 * kBlockM) {
+          const int bl = ctid / kBlockM, col = ctid % kBlockM;  // bl = pair * 2 + warp / 2: warps 2 bl, 2 bl + 1
+          const float amax = max_nan(amax_smem[(2 * bl) * kBlockM + col], amax_smem[(2 * bl + 1) * kBlockM + col]);
+          constexpr float kCodeMax = kRecipe == ActRecipe::kFP8UE8M0Block32 ? kFP8Max : kE2M1Max;
+          const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / kCodeMax);
+          inv_smem[bl * kBlockM + col] = pow2_reciprocal(scale);
+          if (col < t.rows)
+            p.buffer[l.pool_sf_offset + int64_t(t.n_block * 4 + bl) * l.pool_rows + t.row0 + col] = ue8m0_bits(scale);
+        }
+        ptx::named_barrier_sync(1, kNumConsumerThreads);
         if (has_outputs) {
-          uint8_t* pool_sf = p.buffer + l.pool_sf_offset;
-          const int cw = pair * 4 + warp;
-          const int blk = t.n_block * 4 + pair * 2 + warp / 2;  // 32-block of the I row
+          const float* inv_block = inv_smem + (pair * 2 + warp / 2) * kBlockM;
 #pragma unroll
           for (int j = 0; j < kBlockM / 4; ++j) {
             const int col = 8 * (j / 2) + 2 * q + (j % 2);
-            const float amax = max_nan(amax_smem[(cw & ~1) * kBlockM + col], amax_smem[(cw | 1) * kBlockM + col]);
+            const float inv = inv_block[col];
             const int i0 = (j / 2) * 4 + (j % 2);
             const int out = pair * 64 + quad_row;
-            float scale;
             uint8_t c0, c1;
             if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
-              scale = ceil_pow2(max_nan(amax, kAmaxEps) / kFP8Max);
-              c0 = to_fp8(acc_gate[i0] / scale), c1 = to_fp8(acc_gate[i0 + 2] / scale);
+              c0 = to_fp8(acc_gate[i0] * inv), c1 = to_fp8(acc_gate[i0 + 2] * inv);
             } else {
-              scale = ceil_pow2(max_nan(amax, kAmaxEps) / kE2M1Max);
-              c0 = static_cast<uint8_t>(e2m1_code(acc_gate[i0] / scale));
-              c1 = static_cast<uint8_t>(e2m1_code(acc_gate[i0 + 2] / scale));
+              c0 = static_cast<uint8_t>(e2m1_code(acc_gate[i0] * inv));
+              c1 = static_cast<uint8_t>(e2m1_code(acc_gate[i0 + 2] * inv));
             }
             out_tile[staged_offset<uint8_t, 128>(col, out)] = c0;
             out_tile[staged_offset<uint8_t, 128>(col, out + 8)] = c1;
-            if (warp % 2 == 0 && lane < 4 && col < t.rows)
-              pool_sf[int64_t(blk) * l.pool_rows + t.row0 + col] = ue8m0_bits(scale);
           }
         }
         ptx::named_barrier_sync(1, kNumConsumerThreads);
+        trace_phase(2);
         if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
           // Coalesced copy-out: 8 x 16 bytes per token row.
           for (int c = ctid; c < kBlockM * 8; c += kNumConsumerThreads) {
@@ -1024,6 +1049,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         }
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
+      trace_phase(1);
       if constexpr (!kEarlyEpilogueInputs) load_row_inputs(t);
       store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(src, out_tile, p.buffer, l, t.n_block, p.n, ctid);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
@@ -1039,7 +1065,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     TraceRecord& r = g_fp4_trace[kIsL1 ? 0 : 1][blockIdx.x];
     r.sm = trace_smid(), r.entry = trace_entry, r.launch = trace_launch, r.consumer_n = trace_n;
     for (int i = 0; i < trace_n; ++i) {
-      for (int j = 0; j < 4; ++j) r.info[i][j] = trace_info[i][j], r.e[i][j] = trace_t[i][2];
+      // Phases not reached (L2's third; L1 with NVFP4 tokens stores float32 rows: its second and third) end with the tile.
+      for (int j = 0; j < 4; ++j) r.info[i][j] = trace_info[i][j], r.e[i][j] = j < 3 && trace_e[i][j] ? trace_e[i][j] : trace_t[i][2];
       for (int j = 0; j < 3; ++j) r.t[i][j] = trace_t[i][j];
       r.c[i][0] = trace_c[i][0], r.c[i][1] = trace_c[i][1];
     }
