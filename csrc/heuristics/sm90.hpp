@@ -62,8 +62,10 @@ inline int token_block_for(int64_t rows, int max_block_m) {
 inline int forced_block_m(const char* var, int block_m, int max_block_m) {
   const char* env = std::getenv(var);
   if (env == nullptr || env[0] == '\0') return block_m;
-  const int forced = std::atoi(env);
-  if ((forced == 16 || forced == 32 || forced == 64 || forced == 128) && forced <= max_block_m) return forced;
+  // Exactly "16", "32", "64" or "128" (as tests/test_gpu_fp8.py's gemm_block_m reads it; atoi would take "64 " too).
+  const std::string value(env);
+  const int forced = value == "16" ? 16 : value == "32" ? 32 : value == "64" ? 64 : value == "128" ? 128 : 0;
+  if (forced != 0 && forced <= max_block_m) return forced;
   std::fprintf(stderr, "megamoe: %s=%s ignored (expected 16, 32%s)\n", var, env,
                max_block_m == 128 ? ", 64 or 128" : " or 64");
   return block_m;

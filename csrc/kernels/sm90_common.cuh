@@ -313,7 +313,8 @@ __device__ __forceinline__ float ceil_pow2(float s) {
 __device__ __forceinline__ uint8_t ue8m0_bits(float pow2) { return (__float_as_uint(pow2) >> 23) & 0xFF; }
 // 1 / pow2 for a power of two (ceil_pow2's output), so that x * pow2_reciprocal(s) == x / s bit for bit: for a normal
 // s = 2^k with |k| <= 126 the reciprocal 2^-k is exact, and both sides round the same real x * 2^-k once (subnormal
-// results included); inf -> 0, NaN -> NaN (as x / inf, x / NaN). The rest (subnormal s, 2^127) takes the division.
+// results included); inf -> 0, NaN -> NaN (as x / inf, x / NaN). The rest (s subnormal or 2^127) returns 1 / s, exact
+// unless it overflows (s < 2^-127); ceil_pow2's outputs in the epilogues (>= 1e-4 / 448) are never that small.
 // NOTES: the true division's fast path and its slow-path call are ~20 instructions a value, in code that runs once per
 // tile (the FP4 L1 epilogue's quantize phase took 1.4-2.1 us per block_m 16 tile: H100 tile trace, 2026-11-26).
 __device__ __forceinline__ float pow2_reciprocal(float s) {
