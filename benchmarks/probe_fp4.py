@@ -23,6 +23,8 @@ to 255 registers; with the converters of full+conv, 448 threads, ptxas allocates
   fp8-full    MXFP4, the kernel's FP8-wgmma path (the default for MXFP4 tokens): decode_weights_e4m3, 4 register-A
               m64n64k32 FP8 wgmmas into a partial, a full wait and the promotion per unit (FP8 ideal: 1,024 cycles)
   fp8-mma     the same without the decode;  fp8-decode: the decode only (256 x 64 tile only)
+  fp8-wide-full / fp8-wide-mma  the FP8-path unit on a 128 x 256 tile (m64n128k32, two token halves per decode: a
+              quarter of 256 x 64's decode per MAC), reported per 4M MACs
   e4m3-ss     MXFP4 only: the consumers decode to E4M3 into shared memory (two buffers per warpgroup) and issue
               shared-memory FP8 wgmmas (m64n64k32) with per-group promotion: decode and MMA can overlap within a
               warp (256 x 64 tile only; its FP8 ideal is half the BF16 one)
@@ -61,6 +63,19 @@ def _rs128() -> str:
         f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %69, 0;\\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 '
         f'{{{d}}}, {{%64, %65, %66, %67}}, %68, p, 1, 1, 0;\\n}}\\n"\n'
         f'      : {outs}\n      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));\n  }}\n}};\n')
+
+
+def _fp8rs128() -> str:
+    """D[64 x 128] (+)= A[64 x 32] (registers, e4m3) * B[128 x 32]^T (e4m3), float32 accumulate; accumulate = false
+    ignores D (as ptx::WgmmaFP8RS)."""
+    d = ", ".join(f"%{i}" for i in range(64))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(64))
+    return (
+        "struct WgmmaFP8RS128 {\n  static constexpr int kNumRegs = 64;\n"
+        "  __device__ __forceinline__ static void run(float* d, const uint32_t* a, uint64_t desc_b, bool accumulate) {\n"
+        f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %69, 0;\\nwgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 '
+        f'{{{d}}}, {{%64, %65, %66, %67}}, %68, p, 1, 1;\\n}}\\n"\n'
+        f'      : {outs}\n      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));\n  }}\n}};\n')
 
 
 CUDA_SRC = r"""
@@ -126,13 +141,14 @@ __device__ __forceinline__ void finish_measurement(int barrier, int threads, int
 // The FP8-path modes' inputs: the weight stages with scales 118-121 (shifts 0-3 through the fold tables), finite E4M3
 // token bytes [2 groups][64][128], token factors 1 and the fold tables.
 constexpr int kFp8Tokens = 2 * 64 * 128;  // E4M3 tokens [2 groups][64][128], 128B-swizzled
+template <int kTokens = 64>  // token rows of the E4M3 tile [2 groups][kTokens][128] and of the factors [2][kTokens]
 __device__ __forceinline__ void fill_fp8_path_inputs(uint8_t* smem, uint8_t* tokens, float* tfac, uint2* tables) {
   fill_weight_stages(smem);
   for (int s = 0; s < kStages; ++s)
     for (int i = threadIdx.x; i < kTileSW; i += blockDim.x) smem[s * kStage + kTileA + i] = 118 + (i * 7) % 4;
-  for (int i = threadIdx.x; i < kFp8Tokens / 4; i += blockDim.x)
+  for (int i = threadIdx.x; i < 2 * kTokens * 128 / 4; i += blockDim.x)
     reinterpret_cast<uint32_t*>(tokens)[i] = (uint32_t(i) * 2654435761u) & 0x77777777u;
-  for (int i = threadIdx.x; i < 2 * 64; i += blockDim.x) tfac[i] = 1.0f;
+  for (int i = threadIdx.x; i < 2 * kTokens; i += blockDim.x) tfac[i] = 1.0f;
   if (threadIdx.x < fp4::kNumFoldTables) tables[threadIdx.x] = fp4::make_fold_table(threadIdx.x);
 }
 
@@ -412,6 +428,76 @@ __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cyc
 #endif
 }
 
+// fp8-wide-full / fp8-wide-mma (128 x 256 tile: 128 weight rows x 256 tokens, MXFP4): the FP8-wgmma path on the tile
+// whose accumulators still fit (two consumer warpgroups of one 64-row slice, 2 x 64 accumulator registers each for the
+// two 128-token halves, one 64-register partial): per 128-K group one decode_weights_e4m3 of the slice, then per half
+// 4 register-A m64n128k32 wgmmas into the partial, a full wait and the promotion (the kernel's unit, at a quarter
+// of the decode per MAC of 256 x 64). A stage is 8.4M MACs: Python reports cycles per 4M MACs. fp8-wide-mma: no decode.
+// The question (docs/perf-notes.md, "FP4 prefill: what a tile can reach"): does this loop get near the FP8 rate
+// (1,024 cycles per 4M MACs)? Build the kernel tile only at <= ~1,400.
+constexpr int kWideTokens = 256;
+constexpr int kFp8WideSmem = kStages * kStage + 2 * kWideTokens * 128 + 2 * kWideTokens * 4 + 256 + 1024;
+template <int kMode>  // 0 full, 1 mma
+__global__ void __launch_bounds__(256, 1) fp8wide_kernel(int iters, int64_t* cycles) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Mma = WgmmaFP8RS128;
+  constexpr int kRegs = Mma::kNumRegs;
+  uint8_t* smem = aligned_smem();
+  uint8_t* tokens = smem + kStages * kStage;
+  float* tfac = reinterpret_cast<float*>(tokens + 2 * kWideTokens * 128);  // token factors [2 groups][256]
+  uint2* tables = reinterpret_cast<uint2*>(tfac + 2 * kWideTokens);
+  fill_fp8_path_inputs<kWideTokens>(smem, tokens, tfac, tables);
+  ptx::fence_proxy_async_shared();
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, q = lane % 4;
+  const int quad_row = warp * 16 + lane / 4;
+  const uint32_t tok_lo = ptx::smem_desc_sw128_lo(tokens);
+  float acc[2][kRegs];
+  zero_accumulators(acc);
+  uint32_t a8[4][4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a8[s][r] = 0x38383838u;  // E4M3 1.0
+  int64_t start = 0;
+  for (int it = 0; it < iters; ++it) {
+    if (it == 1) start = clock64();
+    const uint8_t* tile_a = smem + (it % kStages) * kStage;
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      float fa = tfac[quad_row], fb = tfac[kWideTokens + quad_row];  // runtime values: the multiplies stay
+      if constexpr (kMode == 0)
+        fp4::decode_weights_e4m3(a8, fa, fb, tile_a, tile_a + kTileA, tables, consumer * 64 + quad_row, g, q);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float part[kRegs];
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[s][r]);
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+          Mma::run(part, a8[s], ptx::smem_desc_sw128(tok_lo + ((g * kWideTokens + h * 128) * 128 + s * 32) / 16),
+                   s > 0);
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+        const float* fc = tfac + g * kWideTokens + h * 128;
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i)
+          acc[h][i] = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * fc[8 * (i / 4) + 2 * q + (i % 2)], acc[h][i]);
+      }
+    }
+  }
+  finish_measurement(1, 256, start, iters, cycles, acc);
+#endif
+}
+
 // e4m3-ss (256 x 64 tile): the MXFP4 weights decoded to E4M3 in shared memory by the consumers themselves (the
 // FP8-wgmma path's PRMT decode, relative to each row's largest scale of the 128-K group: quad shuffles, a fold-table
 // load), then shared-memory FP8 wgmmas (m64n64k32) against an E4M3 token tile into a partial, promoted per group with
@@ -536,6 +622,15 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
+  if (tile == 2 && (mode == 11 || mode == 12)) {
+    auto kernel = mode == 11 ? fp8wide_kernel<0> : fp8wide_kernel<1>;
+    constexpr int kBytes = kFp8WideSmem;
+    static_assert(kBytes >= 114 * 1024 && kBytes <= 227 * 1024, "probe: shared memory");
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+    kernel<<<ctas, 256, kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters), cycles.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   if (mode == 6 || mode == 7) {
     auto kernel = tile == 0 ? (mode == 6 ? pipe_kernel<64, 2, false> : pipe_kernel<64, 2, true>)
                             : (mode == 6 ? pipe_kernel<128, 1, false> : pipe_kernel<128, 1, true>);
@@ -555,13 +650,14 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
 }
 """
 
-CUDA_SRC = CUDA_SRC.replace("RS128_SRC", _rs128())
+CUDA_SRC = CUDA_SRC.replace("RS128_SRC", _rs128() + _fp8rs128())
 CPP_SRC = "void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles);"
 
 MODES = ("full", "mma-wait", "decode", "mma-stream", "full+conv", "e4m3-ss", "pipe", "pipe-x", "fp8-full",
-         "fp8-mma", "fp8-decode")
+         "fp8-mma", "fp8-decode", "fp8-wide-full", "fp8-wide-mma")
 MACS_PER_STAGE = 256 * 256 * 64  # 256 weight rows x 256 K x 64 tokens, or 128 x 256 x 128
-TILES = ((0, "256x64", (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)), (1, "128x128", (0, 1, 3, 6, 7)))
+TILES = ((0, "256x64", (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)), (1, "128x128", (0, 1, 3, 6, 7)), (2, "128x256", (11, 12)))
+STAGE_MACS = {2: 2}  # tiles whose 256-K stage holds more than MACS_PER_STAGE: cycles are reported per MACS_PER_STAGE
 BF16_MACS_PER_CYCLE = 2048  # dense BF16 per SM (H100: 989 TFLOP/s at 1.83 GHz over 132 SMs)
 
 
@@ -581,10 +677,10 @@ def main():
     sms = props.multi_processor_count
     cycles = torch.zeros(sms, dtype=torch.int64, device="cuda")
     ideal = MACS_PER_STAGE // BF16_MACS_PER_CYCLE
-    print(f"{props.name}: {sms} SMs; cycles per 256-K stage of a 256 x 64 or 128 x 128 tile ({MACS_PER_STAGE} MACs; "
+    print(f"{props.name}: {sms} SMs; cycles per {MACS_PER_STAGE} MACs (a 256-K stage of 256 x 64 or 128 x 128; half of 128 x 256; "
           f"{ideal} at the dense BF16 rate, {ideal // 2} at the FP8 rate: the ideal of the fp8-* rows), data in shared "
           f"memory; medians over SMs of the slowest consumer warp")
-    print(f"{'tile':8} {'mode':10} {'cycles/stage':>12} {'x ideal':>7}")
+    print(f"{'tile':8} {'mode':13} {'cycles':>12} {'x ideal':>7}")
     rows = []
     for tile, tile_name, modes in TILES:
         for mode in modes:
@@ -592,11 +688,11 @@ def main():
                 mod.probe(tile, mode, sms, args.iters, cycles)
 
             bu.time_events(call, iters=5, flush=False)
-            cyc = cycles.double().median().item() / (args.iters - 1)
+            cyc = cycles.double().median().item() / (args.iters - 1) / STAGE_MACS.get(tile, 1)
             mode_ideal = ideal // 2 if MODES[mode].startswith("fp8-") else ideal  # FP8 wgmmas: twice the BF16 rate
             rows.append(dict(tile=tile_name, consumers=2, mode=MODES[mode], cycles_per_stage=round(cyc, 1),
                              ideal_cycles=mode_ideal, over_ideal=round(cyc / mode_ideal, 3)))
-            print(f"{tile_name:8} {MODES[mode]:10} {cyc:12.1f} {cyc / mode_ideal:7.3f}", flush=True)
+            print(f"{tile_name:8} {MODES[mode]:13} {cyc:12.1f} {cyc / mode_ideal:7.3f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=props.name, iters=args.iters, ideal_cycles=ideal, rows=rows), f, indent=1)

@@ -112,9 +112,9 @@ def test_tile_trace_walk_totals():
 
 
 def test_probe_fp4_source_fits_the_kernel():
-    """probe_fp4.py builds its CUDA source on the GPU machine only: check here that the generated m64n128k16 wrapper
-    is whole (64 accumulators, 4 A registers, the descriptor and the scale flag) and that the kernel-header
-    functions the probe calls still exist under those names."""
+    """probe_fp4.py builds its CUDA source on the GPU machine only: check here that the generated m64n128k16 (bf16)
+    and m64n128k32 (e4m3) wrappers are whole (64 accumulators, 4 A registers, the descriptor and the scale flag) and
+    that the kernel-header functions the probe calls still exist under those names."""
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -124,11 +124,15 @@ def test_probe_fp4_source_fits_the_kernel():
         sys.path.remove(str(ROOT / "benchmarks"))
     src = probe.CUDA_SRC
     assert "RS128_SRC" not in src
-    wrapper = src[src.index("struct WgmmaBF16RS128"):src.index("template <int kN> struct Rs")]
+    wrapper = src[src.index("struct WgmmaBF16RS128"):src.index("struct WgmmaFP8RS128")]
     assert wrapper.count('"+f"(d[') == 64
     assert "{%64, %65, %66, %67}, %68, p, 1, 1, 0" in wrapper and "setp.ne.b32 p, %69, 0" in wrapper
+    fp8 = src[src.index("struct WgmmaFP8RS128"):src.index("template <int kN> struct Rs")]  # m64n128k32 e4m3
+    assert fp8.count('"+f"(d[') == 64 and "m64n128k32.f32.e4m3.e4m3" in fp8
+    assert "{%64, %65, %66, %67}, %68, p, 1, 1;" in fp8 and '"r"(int(accumulate))' in fp8
     header = (ROOT / "csrc" / "kernels" / "sm90_fp4_grouped_gemm.cuh").read_text()
-    for name in ("void decode_weights(", "void convert_token_unit(", "void fence_fragment("):
+    for name in ("void decode_weights(", "void decode_weights_e4m3(", "void convert_token_unit(",
+                 "void fence_fragment("):
         assert name in header, name
     assert set(probe.MODES) >= {"full", "mma-wait", "decode", "mma-stream", "full+conv", "e4m3-ss"}
 
