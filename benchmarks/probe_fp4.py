@@ -53,29 +53,21 @@ import bench_utils as bu  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-def _rs128() -> str:
-    """D[64 x 128] += A[64 x 16] (registers) * B[128 x 16]^T, bf16, float32 accumulate (64 output registers)."""
+def _rs128(fp8: bool) -> str:
+    """The m64n128 register-A wgmma wrapper the ptx header lacks: D[64 x 128] (+)= A[64 x K] (registers) * B[128 x K]^T,
+    float32 accumulate (64 output registers). bf16 (K 16, always accumulating, WgmmaBF16RS128) or e4m3 (K 32;
+    accumulate = false ignores D, as ptx::WgmmaFP8RS; WgmmaFP8RS128)."""
     d = ", ".join(f"%{i}" for i in range(64))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(64))
+    name, shape, args, tail, scale = (
+        ("WgmmaFP8RS128", "m64n128k32.f32.e4m3.e4m3", ", bool accumulate", "p, 1, 1;", "int(accumulate)") if fp8 else
+        ("WgmmaBF16RS128", "m64n128k16.f32.bf16.bf16", "", "p, 1, 1, 0;", "1"))
     return (
-        "struct WgmmaBF16RS128 {\n  static constexpr int kNumRegs = 64;\n"
-        "  __device__ __forceinline__ static void run(float* d, const uint32_t* a, uint64_t desc_b) {\n"
-        f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %69, 0;\\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 '
-        f'{{{d}}}, {{%64, %65, %66, %67}}, %68, p, 1, 1, 0;\\n}}\\n"\n'
-        f'      : {outs}\n      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));\n  }}\n}};\n')
-
-
-def _fp8rs128() -> str:
-    """D[64 x 128] (+)= A[64 x 32] (registers, e4m3) * B[128 x 32]^T (e4m3), float32 accumulate; accumulate = false
-    ignores D (as ptx::WgmmaFP8RS)."""
-    d = ", ".join(f"%{i}" for i in range(64))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(64))
-    return (
-        "struct WgmmaFP8RS128 {\n  static constexpr int kNumRegs = 64;\n"
-        "  __device__ __forceinline__ static void run(float* d, const uint32_t* a, uint64_t desc_b, bool accumulate) {\n"
-        f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %69, 0;\\nwgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 '
-        f'{{{d}}}, {{%64, %65, %66, %67}}, %68, p, 1, 1;\\n}}\\n"\n'
-        f'      : {outs}\n      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));\n  }}\n}};\n')
+        f"struct {name} {{\n  static constexpr int kNumRegs = 64;\n"
+        f"  __device__ __forceinline__ static void run(float* d, const uint32_t* a, uint64_t desc_b{args}) {{\n"
+        f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %69, 0;\\nwgmma.mma_async.sync.aligned.{shape} '
+        f'{{{d}}}, {{%64, %65, %66, %67}}, %68, {tail}\\n}}\\n"\n'
+        f'      : {outs}\n      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"({scale}));\n  }}\n}};\n')
 
 
 CUDA_SRC = r"""
@@ -355,24 +347,39 @@ __global__ void __launch_bounds__(256, 1) pipe_kernel(int iters, int64_t* cycles
 // an E4M3 token tile, a full wait, and the promotion with the rows' and 16 tokens' factors (the kernel's order).
 // fp8-mma: the same without the decode (fragments never rewritten); fp8-decode: the decode only. The FP8 ideal of a
 // stage is 1,024 cycles, half the BF16 one.
-constexpr int kFp8Smem = kStages * kStage + kFp8Tokens + 2 * 64 * 4 + 256 + 1024;
-template <int kMode>  // 0 full, 1 mma, 2 decode
+// fp8-wide-full / fp8-wide-mma (128 x 256 tile: 128 weight rows x 256 tokens, MXFP4): the FP8-wgmma path on the tile
+// whose accumulators still fit (two consumer warpgroups of one 64-row slice, 2 x 64 accumulator registers each for the
+// two 128-token halves, one 64-register partial): per 128-K group one decode_weights_e4m3 of the slice, then per half
+// 4 register-A m64n128k32 wgmmas into the partial, a full wait and the promotion (the kernel's unit, at a quarter
+// of the decode per MAC of 256 x 64). A stage is 8.4M MACs: Python reports cycles per 4M MACs. fp8-wide-mma: no decode.
+// The question (docs/perf-notes.md, "FP4 prefill: what a tile can reach"): does this loop get near the FP8 rate
+// (1,024 cycles per 4M MACs)? Build the kernel tile only at <= ~1,400.
+// One kernel for both tiles: per stage, per 128-K group g and weight slice, one decode, then per token block of kN
+// (one at 256 x 64, two halves at 128 x 256) four k32 wgmmas into the partial, the wait and the promotion.
+template <int kTokens> constexpr int kFp8Smem = kStages * kStage + 2 * kTokens * 128 + 2 * kTokens * 4 + 256 + 1024;
+template <int kN> struct Fp8Rs { using T = ptx::WgmmaFP8RS<kN>; };
+template <> struct Fp8Rs<128> { using T = WgmmaFP8RS128; };
+template <int kMode, int kTokens>  // kMode: 0 full, 1 mma, 2 decode (64 tokens only); kTokens: 64 or 256
 __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cycles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Mma = ptx::WgmmaFP8RS<64>;
+  static_assert(kTokens == 64 || (kTokens == 256 && kMode != 2), "probe: 256 x 64 or 128 x 256");
+  constexpr int kN = kTokens == 64 ? 64 : 128;      // wgmma N
+  constexpr int kSlices = kTokens == 64 ? 2 : 1;     // 64-row weight slices per consumer warpgroup
+  constexpr int kBlocks = kTokens / kN;              // token blocks of kN per decode
+  using Mma = typename Fp8Rs<kN>::T;
   constexpr int kRegs = Mma::kNumRegs;
   uint8_t* smem = aligned_smem();
   uint8_t* tokens = smem + kStages * kStage;
-  float* tfac = reinterpret_cast<float*>(tokens + kFp8Tokens);  // token factors [2 groups][64]
-  uint2* tables = reinterpret_cast<uint2*>(tfac + 2 * 64);
-  fill_fp8_path_inputs(smem, tokens, tfac, tables);
+  float* tfac = reinterpret_cast<float*>(tokens + 2 * kTokens * 128);  // token factors [2 groups][kTokens]
+  uint2* tables = reinterpret_cast<uint2*>(tfac + 2 * kTokens);
+  fill_fp8_path_inputs<kTokens>(smem, tokens, tfac, tables);
   ptx::fence_proxy_async_shared();
   __syncthreads();
   const int lane = threadIdx.x % 32;
   const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, q = lane % 4;
   const int quad_row = warp * 16 + lane / 4;
   const uint32_t tok_lo = ptx::smem_desc_sw128_lo(tokens);
-  float acc[2][kRegs];
+  float acc[kSlices * kBlocks][kRegs];
   zero_accumulators(acc);
   uint32_t a8[4][4];
 #pragma unroll
@@ -384,12 +391,12 @@ __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cyc
     if (it == 1) start = clock64();
     const uint8_t* tile_a = smem + (it % kStages) * kStage;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int g = j / 2, ls = j % 2;
-      float fa = tfac[quad_row], fb = tfac[64 + quad_row];  // runtime values: the promotion's multiplies stay
+    for (int j = 0; j < 2 * kSlices; ++j) {
+      const int g = j / kSlices, ls = j % kSlices;
+      float fa = tfac[quad_row], fb = tfac[kTokens + quad_row];  // runtime values: the promotion's multiplies stay
       if constexpr (kMode != 1)
-        fp4::decode_weights_e4m3(a8, fa, fb, tile_a, tile_a + kTileA, tables, (2 * consumer + ls) * 64 + quad_row, g,
-                                 q);
+        fp4::decode_weights_e4m3(a8, fa, fb, tile_a, tile_a + kTileA, tables, (kSlices * consumer + ls) * 64 + quad_row,
+                                 g, q);
       if constexpr (kMode == 2) {
 #pragma unroll
         for (int s = 0; s < 4; ++s)
@@ -400,97 +407,37 @@ __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cyc
           acc[ls][s] += __uint_as_float(a8[s][0] ^ a8[s][1] ^ a8[s][2] ^ a8[s][3]) * (s % 2 ? fb : fa);
         continue;
       } else {
-        float fc[16];
 #pragma unroll
-        for (int jj = 0; jj < 16; ++jj) fc[jj] = tfac[g * 64 + 8 * (jj / 2) + 2 * q + (jj % 2)];
-        float part[kRegs];
+        for (int h = 0; h < kBlocks; ++h) {
+          // The block's token factors: loaded before the wgmmas as the kernel does at 64 tokens; read after the wait at
+          // 128 (32 more live registers would not fit beside 2 x 64 accumulators and the partial).
+          const float* fcol = tfac + g * kTokens + h * kN;
+          float fc[kN == 64 ? 16 : 1];
+          if constexpr (kN == 64) {
 #pragma unroll
-        for (int s = 0; s < 4; ++s)
+            for (int jj = 0; jj < 16; ++jj) fc[jj] = fcol[8 * (jj / 2) + 2 * q + (jj % 2)];
+          }
+          float part[kRegs];
 #pragma unroll
-          for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[s][r]);
+          for (int s = 0; s < 4; ++s)
 #pragma unroll
-        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
-        ptx::wgmma_fence();
+            for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[s][r]);
 #pragma unroll
-        for (int s = 0; s < 4; ++s)
-          Mma::run(part, a8[s], ptx::smem_desc_sw128(tok_lo + (g * 64 * 128 + s * 32) / 16), s > 0);
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
+          for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+          ptx::wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+          for (int s = 0; s < 4; ++s)
+            Mma::run(part, a8[s], ptx::smem_desc_sw128(tok_lo + ((g * kTokens + h * kN) * 128 + s * 32) / 16), s > 0);
+          ptx::wgmma_commit();
+          ptx::wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < kRegs; ++i)
-          acc[ls][i] = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);
-      }
-    }
-  }
-  finish_measurement(1, 256, start, iters, cycles, acc);
-#endif
-}
-
-// fp8-wide-full / fp8-wide-mma (128 x 256 tile: 128 weight rows x 256 tokens, MXFP4): the FP8-wgmma path on the tile
-// whose accumulators still fit (two consumer warpgroups of one 64-row slice, 2 x 64 accumulator registers each for the
-// two 128-token halves, one 64-register partial): per 128-K group one decode_weights_e4m3 of the slice, then per half
-// 4 register-A m64n128k32 wgmmas into the partial, a full wait and the promotion (the kernel's unit, at a quarter
-// of the decode per MAC of 256 x 64). A stage is 8.4M MACs: Python reports cycles per 4M MACs. fp8-wide-mma: no decode.
-// The question (docs/perf-notes.md, "FP4 prefill: what a tile can reach"): does this loop get near the FP8 rate
-// (1,024 cycles per 4M MACs)? Build the kernel tile only at <= ~1,400.
-constexpr int kWideTokens = 256;
-constexpr int kFp8WideSmem = kStages * kStage + 2 * kWideTokens * 128 + 2 * kWideTokens * 4 + 256 + 1024;
-template <int kMode>  // 0 full, 1 mma
-__global__ void __launch_bounds__(256, 1) fp8wide_kernel(int iters, int64_t* cycles) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Mma = WgmmaFP8RS128;
-  constexpr int kRegs = Mma::kNumRegs;
-  uint8_t* smem = aligned_smem();
-  uint8_t* tokens = smem + kStages * kStage;
-  float* tfac = reinterpret_cast<float*>(tokens + 2 * kWideTokens * 128);  // token factors [2 groups][256]
-  uint2* tables = reinterpret_cast<uint2*>(tfac + 2 * kWideTokens);
-  fill_fp8_path_inputs<kWideTokens>(smem, tokens, tfac, tables);
-  ptx::fence_proxy_async_shared();
-  __syncthreads();
-  const int lane = threadIdx.x % 32;
-  const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, q = lane % 4;
-  const int quad_row = warp * 16 + lane / 4;
-  const uint32_t tok_lo = ptx::smem_desc_sw128_lo(tokens);
-  float acc[2][kRegs];
-  zero_accumulators(acc);
-  uint32_t a8[4][4];
+          for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
 #pragma unroll
-  for (int s = 0; s < 4; ++s)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) a8[s][r] = 0x38383838u;  // E4M3 1.0
-  int64_t start = 0;
-  for (int it = 0; it < iters; ++it) {
-    if (it == 1) start = clock64();
-    const uint8_t* tile_a = smem + (it % kStages) * kStage;
-#pragma unroll
-    for (int g = 0; g < 2; ++g) {
-      float fa = tfac[quad_row], fb = tfac[kWideTokens + quad_row];  // runtime values: the multiplies stay
-      if constexpr (kMode == 0)
-        fp4::decode_weights_e4m3(a8, fa, fb, tile_a, tile_a + kTileA, tables, consumer * 64 + quad_row, g, q);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float part[kRegs];
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[s][r]);
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-          Mma::run(part, a8[s], ptx::smem_desc_sw128(tok_lo + ((g * kWideTokens + h * 128) * 128 + s * 32) / 16),
-                   s > 0);
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
-        const float* fc = tfac + g * kWideTokens + h * 128;
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i)
-          acc[h][i] = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * fc[8 * (i / 4) + 2 * q + (i % 2)], acc[h][i]);
+          for (int i = 0; i < kRegs; ++i) {
+            const float f = kN == 64 ? fc[(i / 4) * 2 + (i % 2)] : fcol[8 * (i / 4) + 2 * q + (i % 2)];
+            acc[ls * kBlocks + h][i] = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * f, acc[ls * kBlocks + h][i]);
+          }
+        }
       }
     }
   }
@@ -614,8 +561,8 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
     return;
   }
   if (tile == 0 && mode >= 8 && mode <= 10) {
-    auto kernel = mode == 8 ? fp8path_kernel<0> : mode == 9 ? fp8path_kernel<1> : fp8path_kernel<2>;
-    constexpr int kBytes = kFp8Smem > 114 * 1024 ? kFp8Smem : 114 * 1024;  // one CTA per SM
+    auto kernel = mode == 8 ? fp8path_kernel<0, 64> : mode == 9 ? fp8path_kernel<1, 64> : fp8path_kernel<2, 64>;
+    constexpr int kBytes = kFp8Smem<64> > 114 * 1024 ? kFp8Smem<64> : 114 * 1024;  // one CTA per SM
     static_assert(kBytes <= 227 * 1024, "probe: shared memory");
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
     kernel<<<ctas, 256, kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters), cycles.data_ptr<int64_t>());
@@ -623,8 +570,8 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
     return;
   }
   if (tile == 2 && (mode == 11 || mode == 12)) {
-    auto kernel = mode == 11 ? fp8wide_kernel<0> : fp8wide_kernel<1>;
-    constexpr int kBytes = kFp8WideSmem;
+    auto kernel = mode == 11 ? fp8path_kernel<0, 256> : fp8path_kernel<1, 256>;
+    constexpr int kBytes = kFp8Smem<256>;
     static_assert(kBytes >= 114 * 1024 && kBytes <= 227 * 1024, "probe: shared memory");
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
     kernel<<<ctas, 256, kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters), cycles.data_ptr<int64_t>());
@@ -650,7 +597,7 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
 }
 """
 
-CUDA_SRC = CUDA_SRC.replace("RS128_SRC", _rs128() + _fp8rs128())
+CUDA_SRC = CUDA_SRC.replace("RS128_SRC", _rs128(fp8=False) + _rs128(fp8=True))
 CPP_SRC = "void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles);"
 
 MODES = ("full", "mma-wait", "decode", "mma-stream", "full+conv", "e4m3-ss", "pipe", "pipe-x", "fp8-full",
