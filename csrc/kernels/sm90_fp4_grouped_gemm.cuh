@@ -922,42 +922,57 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     trace_phase(0);
     if constexpr (!kEarlyEpilogueInputs) load_factors(t);
     if constexpr (kIsL1) {
-      // SwiGLU: gate rows (even slice) with the matching up rows (the next slice). With one slice per
-      // consumer, the up consumer hands its values to the gate consumer through `epi` (same thread
-      // position, same fragment layout); the pair index replaces the consumer index below.
+      // SwiGLU: gate rows (even slice) with the matching up rows (the next slice). With one slice per consumer
+      // (block_m 16) the two consumers of a pair split the token columns: each hands the other the half of its fragment
+      // that the other owns (same thread position, same layout), so both then hold gate and up values for their own
+      // half (registers [h kOwn, h kOwn + kOwn) of the fragment, h = consumer % 2) and do the SwiGLU, amax and
+      // quantize for it; the pair index replaces the consumer index below.
+      // NOTES: the gate consumer did all of it before while the up consumer waited (H100 tile trace, 2026-11-26: swiglu
+      // + amax ~1 us, quantize 1.4-2.1 us per block_m 16 tile). H100 A/B of the split (2026-11-26, 2 rounds, every FP4
+      // pair, both models, T = 1 / 16 / 128 / 512; docs/bench/h100-2026-11-26-ab-fp4-l1-split-columns.json): median
+      // 0.996 per replay (0.979-1.014), 0.996 in a graph (0.975-1.004); 29 / 28 of 32 rows at or below 1.000. Tests:
+      // test_gpu_fp4 467 passed.
       const int pair = kSlices == 2 ? consumer : consumer / 2;
-      const bool has_outputs = kSlices == 2 || consumer % 2 == 0;
-      float (&acc_gate)[kRegs] = acc[0];
-      float up[kRegs];
+      constexpr int kOwn = kSlices == 2 ? kRegs : kRegs / 2;  // fragment registers this thread finishes
+      const int half = kSlices == 2 ? 0 : consumer % 2;
+      static_assert(kOwn % 4 == 0, "whole k8 column groups per half");
+      static_assert(kSlices == 2 || kEarlyEpilogueInputs, "one slice per consumer reads col_w / col_f before the epilogue");
+      float gate[kOwn], up[kOwn], own_w[kOwn / 2], own_f[kOwn / 2];
       if constexpr (kSlices == 2) {
 #pragma unroll
-        for (int i = 0; i < kRegs; ++i) up[i] = acc[1][i];
+        for (int r = 0; r < kOwn; ++r) gate[r] = acc[0][r], up[r] = acc[1][r];
       } else {
-        float* xchg = reinterpret_cast<float*>(epi) + (pair * 128 + (ctid % 128)) * kRegs;  // [2][128][kRegs]
-        if (!has_outputs) {
+        float* xchg = reinterpret_cast<float*>(epi) + ((pair * 2 + half) * 128 + (ctid % 128)) * kOwn;  // [2][2][128][kOwn]
 #pragma unroll
-          for (int i = 0; i < kRegs; ++i) xchg[i] = acc[0][i];
-        }
+        for (int r = 0; r < kOwn; ++r) xchg[r] = half ? acc[0][r] : acc[0][kOwn + r];  // the other's half
         ptx::named_barrier_sync(1, kNumConsumerThreads);
-        if (has_outputs) {
+        const float* from = reinterpret_cast<const float*>(epi) + ((pair * 2 + (1 - half)) * 128 + (ctid % 128)) * kOwn;
 #pragma unroll
-          for (int i = 0; i < kRegs; ++i) up[i] = xchg[i];
+        for (int r = 0; r < kOwn; ++r) {
+          const float mine = half ? acc[0][kOwn + r] : acc[0][r], theirs = from[r];
+          gate[r] = half ? theirs : mine, up[r] = half ? mine : theirs;
         }
+#pragma unroll
+        for (int c = 0; c < kOwn / 2; ++c)
+          own_w[c] = half ? col_w[kOwn / 2 + c] : col_w[c], own_f[c] = half ? col_f[kOwn / 2 + c] : col_f[c];
         ptx::named_barrier_sync(1, kNumConsumerThreads);  // `epi` is free again
       }
       if constexpr (!kEarlyEpilogueInputs) load_row_inputs(t);
-      swiglu_fragment<true>(acc_gate, up, col_w, col_f, p.fast_math, p.activation_clamp);
+      if constexpr (kSlices == 2) {
+#pragma unroll
+        for (int c = 0; c < kOwn / 2; ++c) own_w[c] = col_w[c], own_f[c] = col_f[c];  // every column is this thread's
+      }
+      swiglu_fragment<true>(gate, up, own_w, own_f, p.fast_math, p.activation_clamp);
+      const int col0 = 8 * (half * kOwn / 4);  // the first token column of this thread's half
       const int inter = p.n / 2;
       if constexpr (kRecipe == ActRecipe::kNVFP4) {
         // The per-token global scale spans the whole I row, which no tile sees: store float32, the
         // requantization kernel runs after this grid.
-        if (has_outputs) {
 #pragma unroll
-          for (int i = 0; i < kRegs; ++i) {
-            const int col = 8 * (i / 4) + 2 * q + (i % 2);
-            const int out = t.n_block * 128 + pair * 64 + quad_row + ((i / 2) % 2) * 8;
-            if (col < t.rows) p.scratch[int64_t(t.row0 + col) * inter + out] = acc_gate[i];
-          }
+        for (int r = 0; r < kOwn; ++r) {
+          const int col = col0 + 8 * (r / 4) + 2 * q + (r % 2);
+          const int out = t.n_block * 128 + pair * 64 + quad_row + ((r / 2) % 2) * 8;
+          if (col < t.rows) p.scratch[int64_t(t.row0 + col) * inter + out] = gate[r];
         }
       } else {
         // Per-token amax over each 32 outputs (two warps of a consumer): registers, lanes sharing a column
@@ -966,7 +981,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         uint8_t* out_tile = epi + 8 * kBlockM * 4;                    // [kBlockM][128] codes / E4M3
         float* inv_smem = reinterpret_cast<float*>(out_tile + kBlockM * 128);  // [4 blocks][kBlockM] 1 / scale
         static_assert(8 * kBlockM * 4 + kBlockM * 128 + 4 * kBlockM * 4 <= S::kTileBF, "L1 epilogue scratch");
-        if (has_outputs) store_token_amax<kBlockM>(acc_gate, amax_smem + (pair * 4 + warp) * kBlockM, lane);
+        store_token_amax<2 * kOwn>(gate, amax_smem + (pair * 4 + warp) * kBlockM + col0, lane);
         ptx::named_barrier_sync(1, kNumConsumerThreads);
         trace_phase(1);
         // One thread per (32-output block, token) takes the block's scale from its two warps' amax, stores it (UE8M0)
@@ -987,20 +1002,20 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             p.buffer[l.pool_sf_offset + int64_t(t.n_block * 4 + bl) * l.pool_rows + t.row0 + col] = ue8m0_bits(scale);
         }
         ptx::named_barrier_sync(1, kNumConsumerThreads);
-        if (has_outputs) {
+        {
           const float* inv_block = inv_smem + (pair * 2 + warp / 2) * kBlockM;
 #pragma unroll
-          for (int j = 0; j < kBlockM / 4; ++j) {
-            const int col = 8 * (j / 2) + 2 * q + (j % 2);
+          for (int j = 0; j < kOwn / 2; ++j) {
+            const int col = col0 + 8 * (j / 2) + 2 * q + (j % 2);
             const float inv = inv_block[col];
             const int i0 = (j / 2) * 4 + (j % 2);
             const int out = pair * 64 + quad_row;
             uint8_t c0, c1;
             if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
-              c0 = to_fp8(acc_gate[i0] * inv), c1 = to_fp8(acc_gate[i0 + 2] * inv);
+              c0 = to_fp8(gate[i0] * inv), c1 = to_fp8(gate[i0 + 2] * inv);
             } else {
-              c0 = static_cast<uint8_t>(e2m1_code(acc_gate[i0] * inv));
-              c1 = static_cast<uint8_t>(e2m1_code(acc_gate[i0 + 2] * inv));
+              c0 = static_cast<uint8_t>(e2m1_code(gate[i0] * inv));
+              c1 = static_cast<uint8_t>(e2m1_code(gate[i0 + 2] * inv));
             }
             out_tile[staged_offset<uint8_t, 128>(col, out)] = c0;
             out_tile[staged_offset<uint8_t, 128>(col, out + 8)] = c1;
