@@ -180,6 +180,59 @@ def test_forced_block_m_equal(weight_format, act_format, shape, monkeypatch):
         assert torch.equal(run_poisoned(case), default), f"block_m {block_m}"
 
 
+def fp4_split_plans(case, e, h, i, block_m, round_):
+    """Python mirror of the kernel's SplitPlan (sm90_fp4_grouped_gemm.cuh) for L1 and L2: (whole, splits) each."""
+    idx = case.topk_idx.flatten()
+    counts = torch.bincount(idx[(idx >= 0) & (idx < e)].long(), minlength=e)
+    blocks = int(((counts + block_m - 1) // block_m).sum())
+    plans = []
+    for n, k in ((2 * i, h), (h, i)):
+        tiles, kblocks = blocks * -(-n // 256), -(-k // 256)
+        rest = tiles - round_
+        s = min(round_ // rest, kblocks, 8) if 0 < rest and 2 * rest <= round_ else 1
+        plans.append((tiles, s if s >= 2 else 1))
+    return plans
+
+
+@combo
+@pytest.mark.parametrize("shape", [(16, 2048, 512, 4), (64, 640, 896, 8)])
+@pytest.mark.parametrize("num_tokens", [1, 7, 40])
+def test_split_last_round(weight_format, act_format, shape, num_tokens, monkeypatch):
+    """Split K of the last round (MEGAMOE_FP4_SPLIT_ROUND forces a round smaller than the grid, so that these shapes
+    have one to two rounds of tiles): the second round's tiles run as 2-8 K units (8 at h = 2048) whose float32
+    partials the last unit sums. Against the reference, against the unsplit launch (MEGAMOE_FP4_SPLIT_ROUND=0; other summation order, so
+    within the tolerance, not bitwise) and bitwise run to run; every case splits at least one GEMM (checked on the
+    Python mirror of the plan), with partial last stages (h = 640, i = 896). Block_m 16: the only build with the split.
+    At block_m 32 the forced round is ignored (the launch equals the unsplit one bitwise)."""
+    e, h, i, k = shape
+    case = make_case(e, h, i, k, num_tokens, weight_format, act_format, device="cuda", seed=97 * num_tokens + e)
+    block_m = 16
+    monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", "32")
+    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "2")
+    at_32 = run_poisoned(case)
+    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "0")
+    assert torch.equal(run_poisoned(case), at_32)
+    monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", str(block_m))
+    unsplit = run_poisoned(case)
+    bound = TOL if num_tokens * k > 100 else 5e-2
+    tested = set()
+    for tiles, _ in fp4_split_plans(case, e, h, i, block_m, 2):
+        # One tile left over (the most splits), and a third of them (two splits each).
+        for round_ in (tiles - 1, -(-2 * tiles // 3)):
+            if not 2 <= round_ <= 132 or round_ in tested:
+                continue
+            plans = fp4_split_plans(case, e, h, i, block_m, round_)
+            if all(s == 1 for _, s in plans):
+                continue
+            tested.add(round_)
+            monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", str(round_))
+            y = run_poisoned(case)
+            assert rel_err(y, case.ref) <= bound, f"round {round_}, plans {plans}"
+            assert rel_err(y, unsplit) <= bound, f"round {round_}, plans {plans}"
+            assert torch.equal(run_poisoned(case), y), f"round {round_}, plans {plans}"
+    assert tested, "no round splits a GEMM of this case"
+
+
 @combo
 def test_masked_tokens_are_zero(weight_format, act_format):
     case = make_case(8, 256, 384, 3, 64, weight_format, act_format, device="cuda", masked_fraction=0.5, seed=3)

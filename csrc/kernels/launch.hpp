@@ -25,7 +25,7 @@ void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int ran
 // Gather: copy each pool row's token (packed row, scales K-block-major, NVFP4 per-token global scale)
 // into the dispatch area, in the layout of `recipe`.
 void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, ActRecipe recipe, int num_sms,
-                   cudaStream_t stream);
+                   cudaStream_t stream, int* zero_words = nullptr, int num_zero_words = 0);
 
 // Combine: (EP: barrier 1, then) y[t] = sum over valid slots of combine[t, k] (float32, slot order) -> bf16.
 void launch_combine(void* y, uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens,
@@ -71,6 +71,11 @@ struct Fp4GroupedGemmArgs {
   float activation_clamp;  // < 0: no clamp
   bool fast_math;
   bool fp8_mma = false;  // MXFP4 weights decoded to E4M3 for FP8 wgmmas (else to BF16)
+  // Split K of the last round (heuristics::fp4_split_round; 0: off): partials holds split_round units of 256 x block_m
+  // float32, split_counters split_round / 2 ints, zero at launch (launch_gather zeroes them).
+  int split_round = 0;
+  float* partials = nullptr;
+  int* split_counters = nullptr;
 };
 void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
                              int block_m, int num_sms, cudaStream_t stream);

@@ -24,6 +24,9 @@ void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, co
   p.activation_clamp = args.activation_clamp;
   p.fast_math = args.fast_math;
   p.wide_scale_copies = args.k % 256 == 0 && reinterpret_cast<uintptr_t>(args.weights_sf) % 16 == 0;
+  p.split_round = args.partials != nullptr ? args.split_round : 0;
+  p.partials = args.partials;
+  p.split_counters = args.split_counters;
   const bool nv = args.weight_format == WeightFormat::kNVFP4;
   if (nv && args.fp8_mma)
     throw std::runtime_error("megamoe: the FP8-wgmma FP4 path takes MXFP4 weights only (NVFP4 scales are not powers of two)");

@@ -117,7 +117,47 @@ struct Params {
   float activation_clamp;  // < 0: none
   bool fast_math;
   bool wide_scale_copies;  // k % 256 == 0 and weights_sf 16-byte aligned: one copy per scale row and stage
+  // Split K of the last round (see SplitPlan); split_round 0: off (no workspace).
+  int split_round;      // the tiles of one round (the grid; tests force fewer)
+  float* partials;      // [split_round units][kSlices * kRegs][consumer threads]: each split unit's accumulators
+  int* split_counters;  // [split_round / 2]: a split tile's units that have finished; zero at launch (gather zeroes it)
 };
+
+// Split K of the last round: with between one and 1.5 rounds of tiles (few tokens: V4-Pro T=1 has 144 L1 tiles and
+// 168 L2 tiles on 132 SMs), the second round's L tiles would keep L SMs busy for a whole tile while the others idle.
+// When L <= round / 2, each of those tiles is cut into s = min(round / L, K blocks, kMaxSplits) units of its K blocks,
+// which run side by side on s CTAs: units [0, round) are the first round's tiles, whole; unit round + r is split
+// r % s of tile round + r / s. A split unit's consumers store their float32 accumulators; the tile's last unit to
+// finish sums all of them in split order (the result does not depend on which one is last) and runs the epilogue.
+// Compiled only where kSplitK (block_m 16; see launch_layer). kMaxSplits bounds the last unit's partial loads (8 x
+// 256 x 16 floats at block_m 16); V4-Pro T=1 takes 8 in L1 (12 tiles left, 28 K blocks), 3 in L2 (36 left).
+// NOTES: splitting every tile into 1-4 units (2026-11-26, commit 1515ebf: benchmarks/patches/fp4-split-k.patch) lost
+// at V4-Flash T=1 (+27-38 %): each CTA ran three units, each ending in a join of all its consumers. Here a CTA runs
+// at most one split unit, after its whole tile. H100 A/B (2026-11-26, 2 rounds, every FP4 pair,
+// docs/bench/h100-2026-11-26-ab-fp4-split-last-round.json): V4-Pro T=1 0.77-0.80, V4-Flash T=2 0.94-0.97 per replay.
+constexpr int kMaxSplits = 8;
+struct SplitPlan {
+  int whole, splits;  // units [0, whole) are whole tiles; the tiles after them take `splits` units each
+  __device__ __forceinline__ int num_units(int num_tiles) const { return whole + (num_tiles - whole) * splits; }
+};
+__device__ __forceinline__ SplitPlan split_plan(int num_tiles, int round, int num_kblocks) {
+  const int rest = num_tiles - round;
+  if (round <= 0 || rest <= 0 || 2 * rest > round) return {num_tiles, 1};
+  const int s = min(min(round / rest, num_kblocks), kMaxSplits);
+  return s >= 2 ? SplitPlan{round, s} : SplitPlan{num_tiles, 1};
+}
+struct SplitUnit {
+  int tile, split, kb_begin, kb_end;  // split < 0: a whole tile
+};
+template <bool kSplitK>
+__device__ __forceinline__ SplitUnit split_unit(int unit, const SplitPlan& plan, int num_kblocks) {
+  if (!kSplitK || unit < plan.whole) return {unit, -1, 0, num_kblocks};
+  const int r = unit - plan.whole, s = plan.splits;
+  SplitUnit u;
+  u.tile = plan.whole + r / s, u.split = r % s;
+  u.kb_begin = u.split * num_kblocks / s, u.kb_end = (u.split + 1) * num_kblocks / s;
+  return u;
+}
 
 template <int kBlockM, bool kActFP4>
 struct Smem {
@@ -405,7 +445,7 @@ static __global__ void fp4_trace_print_kernel(int gemm, int num_ctas) {
 }
 #endif
 
-template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma>
+template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma, bool kSplitK>
 __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     sm90_fp4_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
                                  const __grid_constant__ CUtensorMap tmap_acts, Params p) {
@@ -438,7 +478,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   uint64_t* bf_full = empty + kNumStages;  // [kNumBfTiles] a bf16 token tile is written
   uint64_t* bf_empty = bf_full + kNumBfTiles;  // [kNumBfTiles] its wgmmas (and, after a tile's last stage, the epilogue) are done
   TileInfo* tile_infos = reinterpret_cast<TileInfo*>(bf_empty + kNumBfTiles);  // [kNumStages], see TileInfo
-  static_assert((2 * kNumStages + 2 * kNumBfTiles) * 8 + kNumStages * sizeof(TileInfo) <= 256, "barrier area of Smem::bytes");
+  int* split_last = reinterpret_cast<int*>(tile_infos + kNumStages);           // split K: this unit is its tile's last
+  static_assert((2 * kNumStages + 2 * kNumBfTiles) * 8 + kNumStages * sizeof(TileInfo) + 4 <= 256,
+                "barrier area of Smem::bytes");
   // FP8-wgmma path: the fold tables (after the barrier area) and, in each ring tile, the E4M3 token tile
   // [2 groups][kBlockM][128 bytes] then the token factors float32 [2 groups][kBlockM].
   uint2* fold_tables = reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(full) + 256);
@@ -460,6 +502,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   // NOTES: routing metadata is final before this grid launches (see the FP8 kernel): the predecessor
   // allows the launch only after its own dependency wait, which follows the routing kernel.
   const int num_tiles = __ldcg(tile_offset + num_experts) * num_nblocks;
+  const SplitPlan plan = kSplitK ? split_plan(num_tiles, p.split_round, num_kblocks) : SplitPlan{num_tiles, 1};
+  const int num_units = plan.num_units(num_tiles);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
@@ -488,7 +532,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     // 5-6 us (H100 tile trace, 2026-11-26); with this, H100 A/B (V4-Flash, every FP4 format pair, 1 round,
     // docs/bench/h100-2026-11-26-ab-fp4-early-weights.json): T=1 -2 to -7 %, T=16 -2 to -4 % per replay and in a
     // graph; T=128 / 2048 within the run's noise.
-    const int early = blockIdx.x < num_tiles ? min(kNumStages, num_kblocks) : 0;
+    const SplitUnit first_unit = split_unit<kSplitK>(blockIdx.x, plan, num_kblocks);
+    const int early = blockIdx.x < num_units ? min(kNumStages, first_unit.kb_end - first_unit.kb_begin) : 0;
     // The whole TMA warp finds each tile (decode_tile_warp: 3 L2 round trips, as the FP8 producer, instead of
     // decode_tile's ~10 dependent loads); lane 0 issues.
     if (warp == 0) {
@@ -519,12 +564,13 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       };
       TileInfo first{};
       if (early > 0) {
-        first = claim(blockIdx.x);
+        first = claim(first_unit.tile);
         if (lane == 0) {
           tile_infos[0] = first;
-          for (int kb = 0; kb < early; ++kb) {
-            ptx::mbarrier_arrive_expect_tx(&full[kb], stage_bytes(kb));
-            ptx::tma_load_2d(tile_a(kb), &tmap_weights, &full[kb], kb * (kBlockK / 2), first.expert * p.n + first.n_block * kBlockN);
+          for (int i = 0; i < early; ++i) {
+            const int kb = first_unit.kb_begin + i;
+            ptx::mbarrier_arrive_expect_tx(&full[i], stage_bytes(kb));
+            ptx::tma_load_2d(tile_a(i), &tmap_weights, &full[i], kb * (kBlockK / 2), first.expert * p.n + first.n_block * kBlockN);
           }
 #ifdef MEGAMOE_TILE_TRACE
           if (trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
@@ -533,20 +579,21 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       }
       ptx::grid_dependency_wait();
       if (lane == 0) ptx::launch_dependents();
-      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        const bool is_first = tile == blockIdx.x;
-        const TileInfo t = is_first ? first : claim(tile);
+      for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+        const bool is_first = unit == blockIdx.x;
+        const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks);
+        const TileInfo t = is_first ? first : claim(u.tile);
         if (lane != 0) continue;  // lanes 1-31 take part in the search only
         const int weight_row = t.expert * p.n + t.n_block * kBlockN;
-        for (int kb = 0; kb < num_kblocks; ++kb) {
+        for (int kb = u.kb_begin; kb < u.kb_end; ++kb) {
           const bool full_stage = (kb + 1) * kBlockK <= p.k;
-          if (!is_first || kb >= early) {
+          if (!is_first || kb - u.kb_begin >= early) {
             ptx::mbarrier_wait(&empty[stage], phase ^ 1);
-            if (kb == 0) tile_infos[stage] = t;
+            if (kb == u.kb_begin) tile_infos[stage] = t;
             ptx::mbarrier_arrive_expect_tx(&full[stage], stage_bytes(kb));
             ptx::tma_load_2d(tile_a(stage), &tmap_weights, &full[stage], kb * (kBlockK / 2), weight_row);
 #ifdef MEGAMOE_TILE_TRACE
-            if (kb == 0 && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
+            if (kb == u.kb_begin && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
 #endif
           }
           if constexpr (kActFP4) {
@@ -561,12 +608,12 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       }
 #ifdef MEGAMOE_TILE_TRACE
       if (lane == 0 && blockIdx.x < kTraceMaxCtas) {
-        if (trace_n < kTraceTiles) trace_tile[trace_n] = num_tiles, trace_claim[trace_n++] = ptx::globaltimer_ns();
+        if (trace_n < kTraceTiles) trace_tile[trace_n] = num_units, trace_claim[trace_n++] = ptx::globaltimer_ns();
         TraceRecord& r = g_fp4_trace[kIsL1 ? 0 : 1][blockIdx.x];
         r.producer_n = trace_n;
         for (int i = 0; i < trace_n; ++i) {
           r.tile[i] = trace_tile[i], r.claim[i] = trace_claim[i];
-          r.issue[i] = trace_tile[i] < num_tiles ? trace_issue[i] : trace_claim[i];
+          r.issue[i] = trace_tile[i] < num_units ? trace_issue[i] : trace_claim[i];
           r.pwait[i] = -1, r.pspan[i] = -1;  // not recorded
         }
       }
@@ -602,19 +649,20 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         }
       };
       // The first tile's early stages: weight scales before the grid dependency wait, as the TMA warp's weights.
-      const TileInfo first = early > 0 ? decode_tile_warp(blockIdx.x, tile_offset, expert_offset, num_experts,
+      const TileInfo first = early > 0 ? decode_tile_warp(first_unit.tile, tile_offset, expert_offset, num_experts,
                                                           num_nblocks, kBlockM) : TileInfo{};
-      for (int kb = 0; kb < early; ++kb) copy_weight_scales(first, kb, tile_sw(kb));
+      for (int i = 0; i < early; ++i) copy_weight_scales(first, first_unit.kb_begin + i, tile_sw(i));
       // The token scales come from the grid before this one (gather, or L1 for L2): wait for it as the
       // TMA thread does (without this wait L2's scales raced with L1's epilogue and runs differed).
       ptx::grid_dependency_wait();
       int stage = 0;
       uint32_t phase = 0;
-      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-        const bool is_first = tile == blockIdx.x;
-        const TileInfo t = is_first ? first : decode_tile_warp(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
-        for (int kb = 0; kb < num_kblocks; ++kb) {
-          if (!is_first || kb >= early) {
+      for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+        const bool is_first = unit == blockIdx.x;
+        const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks);
+        const TileInfo t = is_first ? first : decode_tile_warp(u.tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+        for (int kb = u.kb_begin; kb < u.kb_end; ++kb) {
+          if (!is_first || kb - u.kb_begin >= early) {
             ptx::mbarrier_wait(&empty[stage], phase ^ 1);
             copy_weight_scales(t, kb, tile_sw(stage));
           }
@@ -639,17 +687,18 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       const int ctid = warpgroup == 0 ? threadIdx.x - 64 : threadIdx.x - (128 + kNumConsumerThreads) + 64;
       int stage = 0, b = 0;
       uint32_t phase = 0, bphase = 0;
-      for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+        const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks);
         int row0 = 0, units = kBlockM * 8;
 #ifdef MEGAMOE_POISON_STALE_COLUMNS
         int rows = kBlockM;
 #endif
-        for (int kb = 0; kb < num_kblocks; ++kb) {
+        for (int kb = u.kb_begin; kb < u.kb_end; ++kb) {
           const int groups = (kb + 1) * kBlockK <= p.k ? 2 : 1;  // 128-K groups in this stage
           uint8_t* bf = bf_tiles + b * S::kTileBF;
           ptx::mbarrier_wait(&bf_empty[b], bphase ^ 1);
           ptx::mbarrier_wait(&full[stage], phase);
-          if (kb == 0) {
+          if (kb == u.kb_begin) {
             row0 = tile_infos[stage].row0;
             // Only the tile's own tokens: the columns past them are never stored, so their stale contents (the
             // wgmma's columns are independent) do not matter. Whole warps, as fold_token_unit shuffles across the
@@ -736,7 +785,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   uint32_t phase = 0, bphase = 0;
   const uint32_t bf_tiles_desc_lo = ptx::smem_desc_sw128_lo(bf_tiles);
 
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+  for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+    const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks);
     TileInfo t;  // read with the tile's first stage
     // The epilogue's inputs (final: the weights' scales, and outputs of earlier kernels, which the consumers waited for
     // at their start): the float32 factors (the expert's NVFP4 weight global scale x the rows' NVFP4 token global
@@ -786,7 +836,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     int prev_b = 0;
     uint8_t* bf = bf_tiles;
 
-    for (int kb = 0; kb < num_kblocks; ++kb) {
+    for (int kb = u.kb_begin; kb < u.kb_end; ++kb) {
       const int groups = (kb + 1) * kBlockK <= p.k ? 2 : 1;  // 128-K groups in this stage
       bf = bf_tiles + b * S::kTileBF;
       const uint32_t bf_desc_lo = bf_tiles_desc_lo + b * (S::kTileBF / 16);
@@ -796,9 +846,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       ptx::mbarrier_wait(&full[stage], phase);
 #ifdef MEGAMOE_TILE_TRACE
       // From the tile's first full stage on, as the FP8 trace: the first wait is the tile's start, not loop time.
-      if (kb > 0 && ctid == 0 && trace_n < kTraceTiles) trace_c[trace_n][1] += clock64() - trace_w0;
+      if (kb > u.kb_begin && ctid == 0 && trace_n < kTraceTiles) trace_c[trace_n][1] += clock64() - trace_w0;
 #endif
-      if (kb == 0) {
+      if (kb == u.kb_begin) {
         t = tile_infos[stage];
 #ifdef MEGAMOE_TILE_TRACE
         if (ctid == 0 && trace_n < kTraceTiles) {
@@ -830,7 +880,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           const int g = j / kSlices, ls = j % kSlices;
           if (g >= groups) break;
           // Every wgmma of the previous stage has finished (each group waits for its own below).
-          if (j == 0 && kb > 0) {
+          if (j == 0 && kb > u.kb_begin) {
             __syncwarp();
             if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
           }
@@ -879,7 +929,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         // passed). Decode and register-A wgmmas share the SM's issue and register-file bandwidth: the loop is
         // bound by their sum, not by the wait.
         ptx::wgmma_wait<0>();  // unconditional: ptxas must see it on every path to the decode
-        if (j == 0 && kb > 0) {
+        if (j == 0 && kb > u.kb_begin) {
           // Every wgmma of the previous stage has finished (waited above): its bf16 tile is free.
           __syncwarp();
           if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
@@ -916,6 +966,41 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #endif
     // The last stage's bf16 tile is the epilogue's scratch; it is released at the end of the epilogue.
     uint8_t* epi = bf;
+
+    if (kSplitK && u.split >= 0) {
+      // A split unit (SplitPlan): its accumulators out (thread-contiguous rows of the unit's block), then the tile's
+      // counter; the last unit sums every unit's block in split order and goes on to the epilogue.
+      constexpr int kUnitFloats = kSlices * kRegs * kNumConsumerThreads;
+      const int first_unit = plan.whole + (u.tile - plan.whole) * plan.splits;  // the tile's split 0
+      float* mine = p.partials + int64_t(unit - plan.whole) * kUnitFloats + ctid;
+#pragma unroll
+      for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) __stcg(mine + (ls * kRegs + i) * kNumConsumerThreads, acc[ls][i]);
+      __threadfence();  // the stores before the count (the last unit reads them after its own fence)
+      ptx::named_barrier_sync(1, kNumConsumerThreads);
+      if (ctid == 0) *split_last = atomicAdd(p.split_counters + (u.tile - plan.whole), 1) == plan.splits - 1;
+      ptx::named_barrier_sync(1, kNumConsumerThreads);
+      if (!*split_last) {
+        // Not the last: no epilogue; the bf16 tile is free (the stores above read registers only).
+        if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
+#ifdef MEGAMOE_TILE_TRACE
+        if (ctid == 0 && trace_n < kTraceTiles) trace_t[trace_n++][2] = ptx::globaltimer_ns();
+#endif
+        continue;
+      }
+      __threadfence();
+      const float* tile_units = p.partials + int64_t(first_unit - plan.whole) * kUnitFloats + ctid;
+      for (int sp = 0; sp < plan.splits; ++sp) {
+#pragma unroll
+        for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+          for (int i = 0; i < kRegs; ++i) {
+            const float v = __ldcg(tile_units + int64_t(sp) * kUnitFloats + (ls * kRegs + i) * kNumConsumerThreads);
+            acc[ls][i] = sp == 0 ? v : acc[ls][i] + v;
+          }
+      }
+    }
 
     // ======================================================================== epilogue
     ptx::named_barrier_sync(1, kNumConsumerThreads);  // every consumer's wgmmas on `epi` have finished
@@ -1096,13 +1181,13 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 }
 
 // Host: one instantiation's launch (defined here, instantiated by the per-layer .cu files).
-template <int kBlockM, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma>
+template <int kBlockM, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma, bool kSplitK = false>
 void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cudaStream_t stream) {
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
   constexpr int kStages = heuristics::fp4_num_stages_for(kBlockM, kActFP4);
   constexpr int kBytes = Smem<kBlockM, kActFP4>::template bytes<kStages>();
   static_assert(kBytes <= 227 * 1024, "FP4 grouped GEMM shared memory exceeds the 227 KB a block may use");
-  constexpr auto kernel = sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe, kFP8Mma>;
+  constexpr auto kernel = sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe, kFP8Mma, kSplitK>;
   allow_dynamic_smem<kernel>(kBytes);
   launch_pdl(kernel, dim3(num_sms), dim3(Roles<kBlockM>::kThreads), kBytes, stream, a.tmap_weights, a.tmap_acts, p);
 #ifdef MEGAMOE_TILE_TRACE
@@ -1113,16 +1198,22 @@ void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cu
 // Every (block_m, activation recipe) of one layer and weight format (kFP8Mma: MXFP4 on FP8 wgmmas).
 template <bool kIsL1, bool kNV, bool kFP8Mma = false>
 void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int num_sms, cudaStream_t stream) {
+// Split K of the last round (SplitPlan) is compiled for block_m 16 only (few tokens) and launched where the host gave a
+// workspace (heuristics::fp4_split_round): elsewhere the kernel without it, whose loops run K from 0 (the split-capable
+// build ran 3-6 % slower at T = 16 / 128 with no tile split; H100, 2026-11-26).
+#define MEGAMOE_FP4_LAUNCH_SPLIT(BM, RECIPE, FP8MMA)                                                          \
+  return BM == 16 && p.split_round > 0 ? launch_config<BM, kIsL1, kNV, RECIPE, FP8MMA, BM == 16>(a, p, num_sms, stream) \
+                                       : launch_config<BM, kIsL1, kNV, RECIPE, FP8MMA>(a, p, num_sms, stream);
 #define MEGAMOE_FP4_LAUNCH(BM)                                                                        \
   case BM:                                                                                            \
     switch (a.recipe) {                                                                               \
       case ActRecipe::kFP8UE8M0Block32:                                                               \
-        return launch_config<BM, kIsL1, kNV, ActRecipe::kFP8UE8M0Block32, kFP8Mma>(a, p, num_sms, stream);     \
+        MEGAMOE_FP4_LAUNCH_SPLIT(BM, ActRecipe::kFP8UE8M0Block32, kFP8Mma)                            \
       case ActRecipe::kMXFP4:                                                                         \
-        if constexpr (!kNV) return launch_config<BM, kIsL1, kNV, ActRecipe::kMXFP4, kFP8Mma>(a, p, num_sms, stream); \
+        if constexpr (!kNV) MEGAMOE_FP4_LAUNCH_SPLIT(BM, ActRecipe::kMXFP4, kFP8Mma)                  \
         break;                                                                                        \
       case ActRecipe::kNVFP4:                                                                         \
-        if constexpr (kNV && !kFP8Mma) return launch_config<BM, kIsL1, kNV, ActRecipe::kNVFP4, false>(a, p, num_sms, stream); \
+        if constexpr (kNV && !kFP8Mma) MEGAMOE_FP4_LAUNCH_SPLIT(BM, ActRecipe::kNVFP4, false)         \
         break;                                                                                        \
       default:                                                                                        \
         break;                                                                                        \
@@ -1134,6 +1225,7 @@ void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int
     MEGAMOE_FP4_LAUNCH(64)
   }
 #undef MEGAMOE_FP4_LAUNCH
+#undef MEGAMOE_FP4_LAUNCH_SPLIT
   throw std::runtime_error("megamoe: FP4 grouped GEMM has no instantiation for block_m = " + std::to_string(block_m) +
                            " with activation recipe " + std::to_string(int(a.recipe)));
 }

@@ -238,7 +238,7 @@ constexpr int kSfPerLane = 4;  // scale elements a lane loads with its row (FP8:
 // scale, read from the buffer of the rank that owns the token (NVLink loads for a peer).
 constexpr int kGatherThreads = 256;
 __global__ void __launch_bounds__(kGatherThreads, 4) gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elems, int sf_elem_bytes,
-                              bool has_global_sf) {
+                              bool has_global_sf, int* zero_words, int num_zero_words) {
   PhaseStamps trace;  // entry, after the dependency wait, end (diagnostic builds only)
   trace.stamp();
   {  // hints for this block's first lines (see routing_kernel), while the routing kernel runs
@@ -250,6 +250,9 @@ __global__ void __launch_bounds__(kGatherThreads, 4) gather_kernel(uint8_t* buff
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
   trace.stamp();
+  // The FP4 GEMMs' split-K counters (launch_gather's caller): zero before the GEMMs, which wait for this grid.
+  if (blockIdx.x == 0)
+    for (int i = threadIdx.x; i < num_zero_words; i += blockDim.x) zero_words[i] = 0;
   const int num_rows = __ldcg(reinterpret_cast<const int*>(buffer + l.expert_offset_offset) + l.num_local_experts);
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * blockDim.x / 32;
@@ -411,13 +414,13 @@ void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int ran
 }
 
 void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, ActRecipe recipe, int num_sms,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, int* zero_words, int num_zero_words) {
   // Scale elements per token row of `hidden`, by recipe (docs/decisions.md, "Activation recipes").
   const int h = static_cast<int>(layout.hidden);
   const int sf_elem_bytes = recipe == ActRecipe::kFP8F32Block128 ? 4 : 1;
   const int sf_elems = recipe == ActRecipe::kFP8F32Block128 ? h / 128 : recipe == ActRecipe::kNVFP4 ? h / 16 : h / 32;
   launch_pdl(gather_kernel, dim3(num_sms * 4), dim3(kGatherThreads), 0, stream, buffer, layout, sf_elems, sf_elem_bytes,
-             recipe == ActRecipe::kNVFP4);
+             recipe == ActRecipe::kNVFP4, zero_words, num_zero_words);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
