@@ -119,7 +119,7 @@ PATCHES = {
     ],
     "fp4-no-weight-tma": [
         ("        uint32_t bytes = S::kTileA;", "        uint32_t bytes = 0 * S::kTileA;"),
-        ("            ptx::tma_load_2d(tile_a(kb), &tmap_weights,", "            if (false) ptx::tma_load_2d(tile_a(kb), &tmap_weights,"),
+        ("            ptx::tma_load_2d(tile_a(i), &tmap_weights,", "            if (false) ptx::tma_load_2d(tile_a(i), &tmap_weights,"),
         ("            ptx::tma_load_2d(tile_a(stage), &tmap_weights,",
          "            if (false) ptx::tma_load_2d(tile_a(stage), &tmap_weights,"),
     ],

@@ -188,8 +188,8 @@ def fp4_split_plans(case, e, h, i, block_m, round_):
     plans = []
     for n, k in ((2 * i, h), (h, i)):
         tiles, kblocks = blocks * -(-n // 256), -(-k // 256)
-        rest = tiles - round_
-        s = min(round_ // rest, kblocks, 8) if 0 < rest and 2 * rest <= round_ else 1
+        rest = tiles - (tiles - 1) // round_ * round_  # the last round's tiles
+        s = min(round_ // rest, kblocks, 8) if tiles > round_ and 2 * rest <= round_ else 1
         plans.append((tiles, s if s >= 2 else 1))
     return plans
 
@@ -199,7 +199,7 @@ def fp4_split_plans(case, e, h, i, block_m, round_):
 @pytest.mark.parametrize("num_tokens", [1, 7, 40])
 def test_split_last_round(weight_format, act_format, shape, num_tokens, monkeypatch):
     """Split K of the last round (MEGAMOE_FP4_SPLIT_ROUND forces a round smaller than the grid, so that these shapes
-    have one to two rounds of tiles): the second round's tiles run as 2-8 K units (8 at h = 2048) whose float32
+    have two or three rounds of tiles): the last round's tiles run as 2-8 K units (8 at h = 2048) whose float32
     partials the last unit sums. Against the reference, against the unsplit launch (MEGAMOE_FP4_SPLIT_ROUND=0; other summation order, so
     within the tolerance, not bitwise) and bitwise run to run; every case splits at least one GEMM (checked on the
     Python mirror of the plan), with partial last stages (h = 640, i = 896). Block_m 16: the only build with the split.
@@ -217,8 +217,8 @@ def test_split_last_round(weight_format, act_format, shape, num_tokens, monkeypa
     bound = TOL if num_tokens * k > 100 else 5e-2
     tested = set()
     for tiles, _ in fp4_split_plans(case, e, h, i, block_m, 2):
-        # One tile left over (the most splits), and a third of them (two splits each).
-        for round_ in (tiles - 1, -(-2 * tiles // 3)):
+        # Two rounds with one tile left over (the most splits) or a third of them (two splits each); three rounds.
+        for round_ in (tiles - 1, -(-2 * tiles // 3), int(tiles / 2.2)):
             if not 2 <= round_ <= 132 or round_ in tested:
                 continue
             plans = fp4_split_plans(case, e, h, i, block_m, round_)

@@ -163,18 +163,22 @@ constexpr int fp4_num_stages_for(int block_m, bool act_fp4) {
   return (227 * 1024 - fp4_fixed_bytes(block_m)) / fp4_stage_bytes(block_m, act_fp4);
 }
 
-// Split K of the last round for the FP4 grouped GEMMs (sm90_fp4_grouped_gemm.cuh, SplitPlan): the tiles of one round
-// (the grid: one CTA per SM), or 0 for the kernel without it. With between one and 1.5 rounds of tiles the second
-// round's few tiles are cut into K units that run side by side. Taken where a GEMM's expected tile count (one token
-// block per touched expert, E (1 - (1 - k / E)^T), times its 256-row weight blocks) lies in that range: V4-Pro T=1
-// (144 L1 / 168 L2 tiles on 132 SMs) and V4-Flash T=2 (~190 / ~190); block_m 16 only (the only build with it), one rank
-// only (the workspace is sized from this rank's view). NOTES: H100 A/B (2026-11-26, 2 rounds, every FP4 pair,
-// docs/bench/h100-2026-11-26-ab-fp4-split-last-round.json): V4-Pro T=1 0.77-0.80, V4-Flash T=2 0.94-0.97 per replay,
-// T = 1 (V4-Flash) / 16 / 128 (no split) 0.99-1.01 (in a graph V4-Flash T=128 1.00-1.03, the same kernel as before).
+// Split K of the last round for one FP4 grouped GEMM (sm90_fp4_grouped_gemm.cuh, SplitPlan): the tiles of one round
+// (the grid: one CTA per SM), or 0 for the kernel without it. When the last of two or three rounds of tiles holds at
+// most half a round, its tiles are cut into K units that run side by side. Taken where the GEMM's expected tile count
+// (one token block per touched expert, E (1 - (1 - k / E)^T), times its `nblocks` 256-row weight blocks) says so:
+// V4-Pro T=1 (144 L1 / 168 L2 tiles on 132 SMs), T=2 (~284 L1), V4-Flash T=2 (~190 / ~190), T=3 (~282 L1 / L2);
+// block_m 16 only (the only build with it), one rank only (the workspace is sized from this rank's view). Not past
+// three rounds: the build with the split ran 3-6 % slower at T = 16 / 128 where it split nothing (H100, 2026-11-26).
+// NOTES: H100 A/Bs (2026-11-26, 2 rounds each, every FP4 pair, per replay). Two rounds of tiles only
+// (docs/bench/h100-2026-11-26-ab-fp4-split-last-round.json): V4-Pro T=1 0.77-0.80, V4-Flash T=2 0.94-0.97, T = 1
+// (V4-Flash) / 16 / 128 (no split) 0.99-1.01 (in a graph V4-Flash T=128 1.00-1.03, the same kernel as before). Up to
+// three rounds, against that (-ab-fp4-split-last-of-3-rounds.json): V4-Pro T=2 0.89-0.90, V4-Flash T=3 0.90-0.93, T = 1,
+// 2 (Flash), 3 (Pro), 4, 16 0.99-1.01.
 // MEGAMOE_FP4_SPLIT_ROUND (read per call; tests) forces the round size: "0" (off), or 2 up to num_sms (a smaller round,
 // so that small shapes take the split path; block_m 16).
-inline int fp4_split_round(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t l1_nblocks,
-                           int64_t l2_nblocks, int block_m, int num_sms, int64_t num_ranks) {
+inline int fp4_split_round(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t nblocks, int block_m,
+                           int num_sms, int64_t num_ranks) {
   if (const char* env = std::getenv("MEGAMOE_FP4_SPLIT_ROUND"); env != nullptr && env[0] != '\0') {
     char* end = nullptr;
     const long forced = std::strtol(env, &end, 10);
@@ -184,12 +188,9 @@ inline int fp4_split_round(int64_t num_tokens, int64_t top_k, int64_t num_expert
   }
   if (num_ranks != 1 || block_m != 16 || num_experts <= 0) return 0;
   const double miss = 1.0 - std::min(1.0, double(top_k) / double(num_experts));
-  const double touched = double(num_experts) * (1.0 - std::pow(miss, double(num_tokens)));
-  for (const int64_t nblocks : {l1_nblocks, l2_nblocks}) {
-    const double tiles = touched * double(nblocks);
-    if (tiles > num_sms && tiles <= 1.5 * num_sms) return num_sms;
-  }
-  return 0;
+  const double tiles = double(num_experts) * (1.0 - std::pow(miss, double(num_tokens))) * double(nblocks);
+  const double last = tiles - std::ceil(tiles / num_sms - 1.0) * num_sms;  // the last round's tiles
+  return tiles > num_sms && tiles <= 3.0 * num_sms && last <= 0.5 * num_sms ? num_sms : 0;
 }
 
 inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts,

@@ -123,28 +123,31 @@ struct Params {
   int* split_counters;  // [split_round / 2]: a split tile's units that have finished; zero at launch (gather zeroes it)
 };
 
-// Split K of the last round: with between one and 1.5 rounds of tiles (few tokens: V4-Pro T=1 has 144 L1 tiles and
-// 168 L2 tiles on 132 SMs), the second round's L tiles would keep L SMs busy for a whole tile while the others idle.
-// When L <= round / 2, each of those tiles is cut into s = min(round / L, K blocks, kMaxSplits) units of its K blocks,
-// which run side by side on s CTAs: units [0, round) are the first round's tiles, whole; unit round + r is split
-// r % s of tile round + r / s. A split unit's consumers store their float32 accumulators; the tile's last unit to
-// finish sums all of them in split order (the result does not depend on which one is last) and runs the epilogue.
+// Split K of the last round: when the last of R >= 2 rounds of tiles holds L <= round / 2 tiles (few tokens: V4-Pro
+// T=1 has 144 L1 tiles and 168 L2 tiles on 132 SMs, T=2 288 L1 tiles), those L tiles would keep L SMs busy for a
+// whole tile while the others idle. Each of them is cut into s = min(round / L, K blocks, kMaxSplits) units of its K
+// blocks, which run side by side on s CTAs: units [0, (R - 1) round) are the earlier rounds' tiles, whole; unit
+// (R - 1) round + r is split r % s of tile (R - 1) round + r / s. A split unit's consumers store their float32
+// accumulators; the tile's last unit to finish sums all of them in split order (the result does not depend on which
+// one is last) and runs the epilogue.
 // Compiled only where kSplitK (block_m 16; see launch_layer). kMaxSplits bounds the last unit's partial loads (8 x
 // 256 x 16 floats at block_m 16); V4-Pro T=1 takes 8 in L1 (12 tiles left, 28 K blocks), 3 in L2 (36 left).
 // NOTES: splitting every tile into 1-4 units (2026-11-26, commit 1515ebf: benchmarks/patches/fp4-split-k.patch) lost
 // at V4-Flash T=1 (+27-38 %): each CTA ran three units, each ending in a join of all its consumers. Here a CTA runs
-// at most one split unit, after its whole tile. H100 A/B (2026-11-26, 2 rounds, every FP4 pair,
-// docs/bench/h100-2026-11-26-ab-fp4-split-last-round.json): V4-Pro T=1 0.77-0.80, V4-Flash T=2 0.94-0.97 per replay.
+// at most one split unit, after its whole tiles. H100 A/B (2026-11-26, 2 rounds, every FP4 pair,
+// docs/bench/h100-2026-11-26-ab-fp4-split-last-round.json, -split-last-of-3-rounds.json): V4-Pro T=1 0.77-0.80,
+// T=2 0.89-0.90, V4-Flash T=2 0.94-0.97, T=3 0.90-0.93 per replay.
 constexpr int kMaxSplits = 8;
 struct SplitPlan {
   int whole, splits;  // units [0, whole) are whole tiles; the tiles after them take `splits` units each
   __device__ __forceinline__ int num_units(int num_tiles) const { return whole + (num_tiles - whole) * splits; }
 };
 __device__ __forceinline__ SplitPlan split_plan(int num_tiles, int round, int num_kblocks) {
-  const int rest = num_tiles - round;
-  if (round <= 0 || rest <= 0 || 2 * rest > round) return {num_tiles, 1};
+  if (round <= 0 || num_tiles <= round) return {num_tiles, 1};
+  const int whole = (num_tiles - 1) / round * round, rest = num_tiles - whole;  // rest: the last round's tiles
+  if (2 * rest > round) return {num_tiles, 1};
   const int s = min(min(round / rest, num_kblocks), kMaxSplits);
-  return s >= 2 ? SplitPlan{round, s} : SplitPlan{num_tiles, 1};
+  return s >= 2 ? SplitPlan{whole, s} : SplitPlan{num_tiles, 1};
 }
 struct SplitUnit {
   int tile, split, kb_begin, kb_end;  // split < 0: a whole tile

@@ -58,19 +58,23 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
                           recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream);
 
-  // Split K of the last round (heuristics::fp4_split_round; the kernel plans it from its tile count). One float32
-  // workspace: L1's then L2's tile counters (round / 2 each, int32; gather zeroes them), then `round` units of partial
-  // sums (256 x block_m each; L2's reuse L1's: L2's consumers start after L1 has finished).
+  // Split K of the last round, per GEMM (heuristics::fp4_split_round; the kernel plans it from its tile count). One
+  // float32 workspace: L1's then L2's tile counters (round / 2 each, int32; gather zeroes them), then the larger round's
+  // units of partial sums (256 x block_m each; L2's reuse L1's: L2's consumers start after L1 has finished).
   constexpr int64_t kTileRows = 256;  // sm90_fp4_grouped_gemm.cuh kBlockN
-  const int split_round = heuristics::fp4_split_round(
-      t, l.top_k, static_cast<int64_t>(e), (2 * static_cast<int64_t>(inter) + kTileRows - 1) / kTileRows,
-      (static_cast<int64_t>(h) + kTileRows - 1) / kTileRows, cfg.block_m, sms, l.num_ranks);
+  const int round1 = heuristics::fp4_split_round(t, l.top_k, static_cast<int64_t>(e),
+                                                 (2 * static_cast<int64_t>(inter) + kTileRows - 1) / kTileRows,
+                                                 cfg.block_m, sms, l.num_ranks);
+  const int round2 = heuristics::fp4_split_round(t, l.top_k, static_cast<int64_t>(e),
+                                                 (static_cast<int64_t>(h) + kTileRows - 1) / kTileRows, cfg.block_m,
+                                                 sms, l.num_ranks);
   at::Tensor split_ws;
   float* partials = nullptr;
   int* counters = nullptr;
-  const int counter_words = split_round > 0 ? (split_round + 3) / 4 * 4 : 0;
-  if (split_round > 0) {
-    split_ws = at::empty({counter_words + int64_t(split_round) * kTileRows * cfg.block_m}, y.options().dtype(at::kFloat));
+  const int counter_words = round1 + round2 > 0 ? (round1 / 2 + round2 / 2 + 3) / 4 * 4 : 0;
+  if (round1 + round2 > 0) {
+    split_ws = at::empty({counter_words + int64_t(std::max(round1, round2)) * kTileRows * cfg.block_m},
+                         y.options().dtype(at::kFloat));
     counters = reinterpret_cast<int*>(split_ws.data_ptr<float>());
     partials = split_ws.data_ptr<float>() + counter_words;
   }
@@ -98,7 +102,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g1.activation_clamp = clamp;
   g1.fast_math = fast_math;
   g1.fp8_mma = format == WeightFormat::kMXFP4 && heuristics::choose_mxfp4_fp8_mma(recipe == ActRecipe::kMXFP4);
-  g1.split_round = split_round;
+  g1.split_round = round1;
   g1.partials = partials;
   g1.split_counters = counters;
   kernels::launch_fp4_grouped_gemm(g1, buf, l, cfg.block_m, sms, stream);
@@ -116,8 +120,8 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g2.n = static_cast<int>(h);
   g2.k = static_cast<int>(inter);
   g2.is_l1 = false;
-  g2.split_round = split_round;
-  g2.split_counters = counters + split_round / 2;
+  g2.split_round = round2;
+  g2.split_counters = counters + round1 / 2;
   kernels::launch_fp4_grouped_gemm(g2, buf, l, cfg.block_m, sms, stream);
 
   // ---- combine over slots
