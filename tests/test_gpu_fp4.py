@@ -194,6 +194,17 @@ def fp4_split_plans(case, e, h, i, block_m, round_):
     return plans
 
 
+def poison_gemm_outputs(buffer):
+    """NaN bytes over the buffer's pool (L1's outputs: tokens, scales, global scales) and combine area (L2's), so
+    that a result can only come from this call's GEMMs (a split tile whose epilogue never ran would leave them)."""
+    buffer.buffer[buffer.layout["pool_offset"]:].fill_(0xFF)
+
+
+def run_split_poisoned(case):
+    poison_gemm_outputs(case.buffer)
+    return run_poisoned(case)
+
+
 @combo
 @pytest.mark.parametrize("shape", [(16, 2048, 512, 4), (64, 640, 896, 8)])
 @pytest.mark.parametrize("num_tokens", [1, 7, 40])
@@ -209,27 +220,28 @@ def test_split_last_round(weight_format, act_format, shape, num_tokens, monkeypa
     block_m = 16
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", "32")
     monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "2")
-    at_32 = run_poisoned(case)
+    at_32 = run_split_poisoned(case)
     monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "0")
-    assert torch.equal(run_poisoned(case), at_32)
+    assert torch.equal(run_split_poisoned(case), at_32)
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", str(block_m))
-    unsplit = run_poisoned(case)
+    unsplit = run_split_poisoned(case)
     bound = TOL if num_tokens * k > 100 else 5e-2
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count  # the host ignores larger rounds
     tested = set()
     for tiles, _ in fp4_split_plans(case, e, h, i, block_m, 2):
         # Two rounds with one tile left over (the most splits) or a third of them (two splits each); three rounds.
         for round_ in (tiles - 1, -(-2 * tiles // 3), int(tiles / 2.2)):
-            if not 2 <= round_ <= 132 or round_ in tested:
+            if not 2 <= round_ <= num_sms or round_ in tested:
                 continue
             plans = fp4_split_plans(case, e, h, i, block_m, round_)
             if all(s == 1 for _, s in plans):
                 continue
             tested.add(round_)
             monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", str(round_))
-            y = run_poisoned(case)
+            y = run_split_poisoned(case)
             assert rel_err(y, case.ref) <= bound, f"round {round_}, plans {plans}"
             assert rel_err(y, unsplit) <= bound, f"round {round_}, plans {plans}"
-            assert torch.equal(run_poisoned(case), y), f"round {round_}, plans {plans}"
+            assert torch.equal(run_split_poisoned(case), y), f"round {round_}, plans {plans}"
     assert tested, "no round splits a GEMM of this case"
 
 
@@ -379,6 +391,41 @@ def test_cuda_graph_replay_with_new_inputs(weight_format, act_format):
         torch.cuda.synchronize()
         ref = case.reference(x=x, topk_idx=idx, topk_weights=w)
         assert rel_err(y, ref) <= TOL
+
+
+@combo
+def test_split_graph_replay(weight_format, act_format, monkeypatch):
+    """A graph captured with a forced split round (the host's choice is baked in at capture), replayed on new routing:
+    the kernels plan the split from each replay's tile count, the gather kernel re-zeroes the counters, and the GEMM
+    outputs are poisoned before every replay; at least one replay must split a GEMM (Python mirror of the plan)."""
+    e, h, i, k, t, round_ = 16, 2048, 512, 4, 7, 40
+    case = make_case(e, h, i, k, t, weight_format, act_format, device="cuda", seed=13)
+    x, idx, w = case.x.clone(), case.topk_idx.clone(), case.topk_weights.clone()
+    y = torch.empty_like(x)
+    monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", "16")
+    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", str(round_))
+
+    def step():
+        megamoe.pre_dispatch(x, idx, w, case.buffer, weight_format=weight_format)
+        megamoe.fp8_fp4_mega_moe(y, case.l1, case.l2, case.buffer, weight_format=weight_format)
+
+    graph = capture_graph(step)
+    splits = []
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(300 + seed)
+        x.copy_(torch.randn(t, h, generator=gen).to("cuda", torch.bfloat16))
+        new_idx, new_w = reference.make_random_routing(t, e, k, masked_fraction=0.1, seed=400 + seed, device="cuda")
+        idx.copy_(new_idx)
+        w.copy_(new_w)
+        case.topk_idx = idx
+        splits += [s for _, s in fp4_split_plans(case, e, h, i, 16, round_)]
+        poison_gemm_outputs(case.buffer)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = case.reference(x=x, topk_idx=idx, topk_weights=w)
+        assert rel_err(y, ref) <= 5e-2, f"replay {seed}"
+    assert max(splits) >= 2, "no replay split a GEMM"
 
 
 @combo

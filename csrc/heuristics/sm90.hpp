@@ -168,7 +168,7 @@ constexpr int fp4_num_stages_for(int block_m, bool act_fp4) {
 // most half a round, its tiles are cut into K units that run side by side. Taken where the GEMM's expected tile count
 // (one token block per touched expert, E (1 - (1 - k / E)^T), times its `nblocks` 256-row weight blocks) says so:
 // V4-Pro T=1 (144 L1 / 168 L2 tiles on 132 SMs), T=2 (~284 L1), V4-Flash T=2 (~190 / ~190), T=3 (~282 L1 / L2);
-// block_m 16 only (the only build with it), one rank only (the workspace is sized from this rank's view). Not past
+// block_m 16 only (the only build with it), one rank only (the estimate counts this rank's tokens only). Not past
 // three rounds: the build with the split ran 3-6 % slower at T = 16 / 128 where it split nothing (H100, 2026-11-26).
 // NOTES: H100 A/Bs (2026-11-26, 2 rounds each, every FP4 pair, per replay). Two rounds of tiles only
 // (docs/bench/h100-2026-11-26-ab-fp4-split-last-round.json): V4-Pro T=1 0.77-0.80, V4-Flash T=2 0.94-0.97, T = 1

@@ -691,17 +691,17 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       int stage = 0, b = 0;
       uint32_t phase = 0, bphase = 0;
       for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
-        const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks);
+        const SplitUnit su = split_unit<kSplitK>(unit, plan, num_kblocks);
         int row0 = 0, units = kBlockM * 8;
 #ifdef MEGAMOE_POISON_STALE_COLUMNS
         int rows = kBlockM;
 #endif
-        for (int kb = u.kb_begin; kb < u.kb_end; ++kb) {
+        for (int kb = su.kb_begin; kb < su.kb_end; ++kb) {
           const int groups = (kb + 1) * kBlockK <= p.k ? 2 : 1;  // 128-K groups in this stage
           uint8_t* bf = bf_tiles + b * S::kTileBF;
           ptx::mbarrier_wait(&bf_empty[b], bphase ^ 1);
           ptx::mbarrier_wait(&full[stage], phase);
-          if (kb == u.kb_begin) {
+          if (kb == su.kb_begin) {
             row0 = tile_infos[stage].row0;
             // Only the tile's own tokens: the columns past them are never stored, so their stale contents (the
             // wgmma's columns are independent) do not matter. Whole warps, as fold_token_unit shuffles across the
@@ -974,6 +974,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       // A split unit (SplitPlan): its accumulators out (thread-contiguous rows of the unit's block), then the tile's
       // counter; the last unit sums every unit's block in split order and goes on to the epilogue.
       constexpr int kUnitFloats = kSlices * kRegs * kNumConsumerThreads;
+      static_assert(kUnitFloats == kBlockN * kBlockM, "a unit's partials: 256 x block_m floats (the host's workspace)");
       const int first_unit = plan.whole + (u.tile - plan.whole) * plan.splits;  // the tile's split 0
       float* mine = p.partials + int64_t(unit - plan.whole) * kUnitFloats + ctid;
 #pragma unroll
