@@ -52,10 +52,12 @@ PATCHES = {
          "            if (false && chunk_valid)\n              ptx::cp_async_4("),
     ],
     "no-token-tma": [
-        ("                ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileB);\n"
+        ("                ptx::mbarrier_arrive_expect_tx(&full[stage], (wide ? kTileCols : kBlockM) * kBlockK);\n"
          "                ptx::tma_load_2d(",
-         "                ptx::mbarrier_arrive_expect_tx(&full[stage], 0 * Smem::kTileB);\n"
+         "                ptx::mbarrier_arrive_expect_tx(&full[stage], 0);\n"
          "                if (false) ptx::tma_load_2d("),
+        ("                if (wide)\n                  ptx::tma_load_2d(",
+         "                if (false)\n                  ptx::tma_load_2d("),
     ],
     "no-weight-tma": [
         ("              else\n                ptx::tma_load_2d(tile_a + stage * Smem::kTileA, tmap_w,",

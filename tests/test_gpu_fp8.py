@@ -262,16 +262,26 @@ def gemm_block_m(num_tokens, top_k, num_experts):
     return block
 
 
-def routing_blocks(case, block_m):
-    """Per expert, its token blocks of block_m rows (what routing writes into tile_offset)."""
+def tail_rows(block_m, pairs=False):
+    """Rows an expert's last token block may hold beyond block_m, as csrc/heuristics/sm90.hpp (fp8_tail_rows) and
+    MEGAMOE_FP8_WIDE_TAIL decide: 16 at block_m 64 outside the pair walk."""
+    off = os.environ.get("MEGAMOE_FP8_WIDE_TAIL", "").startswith("0")
+    return 16 if block_m == 64 and not pairs and not off else 0
+
+
+def routing_blocks(case, block_m, tail=None):
+    """Per expert, its token blocks (what routing writes into tile_offset): block_m rows each, the last up to
+    block_m + tail (default: tail_rows(block_m))."""
+    tail = tail_rows(block_m) if tail is None else tail
     off = case.buffer.view("expert_offset", (case.num_experts + 1,), torch.int32).tolist()
-    return [-(-(off[x + 1] - off[x]) // block_m) for x in range(case.num_experts)]
+    counts = [off[x + 1] - off[x] for x in range(case.num_experts)]
+    return [0 if c == 0 else -(-max(c - tail, 1) // block_m) for c in counts]
 
 
-def expected_l1_counts(case, l1_nblocks, block_m):
-    """Per expert, the fused walk's count of stored L1 tiles: one per real token block of block_m rows and weight
-    block (the pair walk's phantom halves count nothing)."""
-    return [b * l1_nblocks for b in routing_blocks(case, block_m)]
+def expected_l1_counts(case, l1_nblocks, block_m, tail=None):
+    """Per expert, the fused walk's count of stored L1 tiles: one per real token block and weight block (the pair
+    walk's phantom halves count nothing)."""
+    return [b * l1_nblocks for b in routing_blocks(case, block_m, tail)]
 
 
 @pytest.mark.parametrize("case_args", [(8, 256, 384, 3, 113, 0.25), (16, 384, 256, 4, 7, 0.0),
@@ -339,7 +349,7 @@ def test_fused_launch_graph_replay(walk, fused_env, monkeypatch):
         assert sched_words(case)[0] > 0  # the captured launch is the fused one
         if walk == "pairs":  # and the pair walk: routing counted 128-row blocks
             tile_offset = case.buffer.view("tile_offset", (case.num_experts + 1,), torch.int32).tolist()
-            assert tile_offset[-1] == sum(routing_blocks(case, 128))
+            assert tile_offset[-1] == sum(routing_blocks(case, 128, 0))
         fused_env(False)  # two launches (the pair walk runs only in the fused launch)
         megamoe.pre_dispatch(x_in, idx_in, w_in, case.buffer, weight_format="fp8")
         ref = torch.full_like(y, float("nan"))
@@ -402,6 +412,47 @@ def test_block_m_128_equals_64(case_args, fused, fused_env, monkeypatch):
     assert rel_err(outs[1], case.ref) <= TOL
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_launches"])
+@pytest.mark.parametrize("case_args", [(8, 256, 384, 1, 659, (1, 64, 65, 79, 80, 81, 144, 145)),
+                                       (6, 384, 256, 1, 481, (208, 0, 17, 96, 160, 0)),
+                                       (256, 4096, 2048, 6, 6144, ())],
+                         ids=lambda a: "E{}H{}I{}K{}T{}".format(*a[:5]) if isinstance(a, tuple) else str(a))
+def test_wide_tail_equals_narrow(case_args, fused, fused_env, monkeypatch):
+    """An expert's wide last block (block_m 64: up to 80 rows on m64n80 wgmmas, its rows past 64 by the tail tensor
+    map) computes every output with the narrow blocks' arithmetic: bitwise equal outputs and recv_stats to
+    MEGAMOE_FP8_WIDE_TAIL=0 (a block of its own for rows past 64), on poisoned pools, fused and in two launches.
+    Rows per expert cover 1, 64, 65 (the smallest wide block), 79, 80 (the widest), 81 (two blocks: 64 + 17), 144
+    (64 + 80), 145, 208 (64 + 64 + 80), 17, empty experts, hidden 384 (the last L2 tile's upper half past n) and
+    V4-Flash at T=6144 (~144 rows per expert: about half the experts end in a wide block). Routing counted the blocks with
+    and without the tail; the fused walk counted every block's L1 tiles."""
+    e, h, i, k, t, rows = case_args
+    if e >= 256:
+        release_gpu_memory()
+    case = make_case(e, h, i, k, t, device="cuda", masked_fraction=0.1, seed=t + e + 13)
+    if rows:
+        skew_rows(case, rows)
+    fused_env(fused)
+    monkeypatch.setenv("MEGAMOE_FP8_BLOCK_M", "64")
+    l1_nblocks = (2 * i + 255) // 256
+    outs, stats, blocks = [], [], []
+    for setting in ("0", "1"):
+        monkeypatch.setenv("MEGAMOE_FP8_WIDE_TAIL", setting)
+        stats.append(torch.zeros(e, dtype=torch.int32, device="cuda"))
+        poison_outputs(case.buffer)
+        outs.append(run_poisoned(case, recv_stats=stats[-1]))
+        tile_offset = case.buffer.view("tile_offset", (e + 1,), torch.int32).tolist()
+        blocks.append(tile_offset[e])
+        assert tile_offset[e] == sum(routing_blocks(case, 64, tail_rows(64))) > 0
+        if fused:
+            assert sched_words(case)[1:] == expected_l1_counts(case, l1_nblocks, 64)
+    counts = case.buffer.view("expert_count", (e,), torch.int32).tolist()
+    assert any(c > 64 and 0 < c % 64 <= 16 for c in counts)  # some expert ended in a wide block
+    assert blocks[1] < blocks[0]
+    assert torch.equal(outs[1], outs[0])
+    assert torch.equal(stats[1], stats[0])
+    assert rel_err(outs[1], case.ref) <= TOL
+
+
 @pytest.mark.parametrize("case_args", [(8, 256, 384, 1, 779, (1, 64, 65, 128, 129, 192, 200, 0)),
                                        (5, 384, 256, 2, 333, (300, 0, 33, 0, 0)),
                                        (16, 640, 896, 8, 300, ()),
@@ -434,12 +485,13 @@ def test_pair_walk_equals_unpaired(case_args, monkeypatch):
         outs.append(run_poisoned(case, recv_stats=stats[n]))
         tile_offset = case.buffer.view("tile_offset", (e + 1,), torch.int32).tolist()
         # The pair walk: 128-row blocks (pairs of 64); unpaired: the default's blocks (64 or 128 rows).
-        assert tile_offset[e] == sum(routing_blocks(case, 128 if setting == "1" else gemm_block_m(t, k, e)))
+        assert tile_offset[e] == (sum(routing_blocks(case, 128, 0)) if setting == "1"
+                                  else sum(routing_blocks(case, gemm_block_m(t, k, e))))
         if setting == "1":
             words = sched_words(case)
             l1_nblocks, l2_nblocks = (2 * i + 255) // 256, (h + 255) // 256
             assert words[0] >= tile_offset[e] * (l1_nblocks + l2_nblocks) > 0
-            assert words[1:] == expected_l1_counts(case, l1_nblocks, 64)
+            assert words[1:] == expected_l1_counts(case, l1_nblocks, 64, 0)
     assert torch.equal(outs[1], outs[0])
     assert torch.equal(outs[2], outs[0])
     assert torch.equal(stats[1], stats[0]) and torch.equal(stats[2], stats[0])

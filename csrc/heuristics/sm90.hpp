@@ -18,21 +18,40 @@ struct GroupedGemmConfig {
   int num_stages;      // TMA pipeline depth
   bool fused = false;  // FP8: L1 and L2 in one persistent launch
   bool pairs = false;  // FP8: that launch in CTA pairs sharing each weight tile (routing in 2 x block_m row blocks)
+  int tail_rows = 0;   // FP8: rows an expert's last token block may hold beyond block_m (fp8_tail_rows)
   int routing_block() const { return pairs ? 2 * block_m : block_m; }
 };
 
-// Shared memory one stage takes: 256 x 128 weight bytes + block_m x 128 token bytes.
-constexpr int stage_bytes(int block_m) { return 256 * 128 + block_m * 128; }
+// FP8, block_m 64 (not the pair walk): an expert's last token block holds up to 64 + 16 rows, so rows 65-80, 129-144,
+// ... take no block of their own; the kernel runs such a wide block on m64n80 wgmmas (its other blocks: m64n64).
+// NOTES: at prefill an expert's rows scatter around the mean (uniform routing: sd ~11 at V4-Pro T=8192, 128 rows
+// mean; ~14 at V4-Flash T=8192, 192 rows), and about half of the experts overflow their last full block by a few
+// rows, each costing a tile of its own (the 256 weight rows streamed again); the wide block costs about 80 / 64 of a
+// tile instead. H100 A/B (2026-11-26, 2 rounds, docs/bench/h100-2026-11-26c-ab-fp8-wide-tail.json; time over main's,
+// per replay / in a graph): V4-Flash T=6144 (144 rows) -6.1 / -3.5 %, 8192 -1.9 / -4.3 %; V4-Pro T=4096 (64 rows)
+// -3.4 / -5.2 %, 8192 -3.1 / -5.0 %; T=2048 and the block_m 128 sizes (V4-Flash 4096, V4-Pro 6144) within +-1.3 %;
+// T = 1-512 (other block sizes) within +-1.6 % (-decode.json). The same build with the tail off read +0.4 / +4.3 % at
+// V4-Flash 8192 (its fragment and token tile are sized for 80 columns) and within +-0.4 % elsewhere.
+// The tail stays 0 for the other block sizes (decode: a block is taken up to ~85 % of its width; block_m 128: the
+// one-partial loop has no registers for more columns). MEGAMOE_FP8_WIDE_TAIL=0 (read per call) turns it off.
+constexpr int fp8_tail_rows(int block_m, bool pairs) { return block_m == 64 && !pairs ? 16 : 0; }
+// Token columns of the FP8 kernel's widest tile (its token tile in shared memory, its epilogue staging).
+constexpr int fp8_tile_cols(int block_m, bool pairs) { return block_m + fp8_tail_rows(block_m, pairs); }
+
+// Shared memory one stage takes: 256 x 128 weight bytes + tile_cols x 128 token bytes.
+constexpr int stage_bytes(int tile_cols) { return 256 * 128 + tile_cols * 128; }
 
 // The L2 epilogue's staged row per token: 256 bf16 outputs + 16 bytes (no bank conflicts, rows stay contiguous).
 constexpr int kStagedL2RowBytes = 256 * 2 + 16;
-// Deepest TMA pipeline that fits beside the largest epilogue (L2: block_m staged rows) in the 227 KB a
-// block may use (minus alignment slack and barriers): 6, 5, 4 and 3 stages for block_m 16, 32, 64 and 128.
-constexpr int num_stages_for(int block_m) {
-  return (227 * 1024 - 2048 - block_m * kStagedL2RowBytes) / stage_bytes(block_m);
+// Deepest TMA pipeline that fits beside the largest epilogue (L2: a staged row per token column) in the 227 KB a
+// block may use (minus alignment slack and barriers): 6, 5, 4 and 3 stages for block_m 16, 32, 64 (80 columns with
+// the wide tail; 64 in the pair walk) and 128.
+constexpr int num_stages_for(int block_m, bool pairs = false) {
+  const int cols = fp8_tile_cols(block_m, pairs);
+  return (227 * 1024 - 2048 - cols * kStagedL2RowBytes) / stage_bytes(cols);
 }
 static_assert(num_stages_for(16) == 6 && num_stages_for(32) == 5 && num_stages_for(64) == 4 &&
-              num_stages_for(128) == 3, "stage counts");
+              num_stages_for(64, true) == 4 && num_stages_for(128) == 3, "stage counts");
 
 // The token block for an expected `rows` per touched expert, at most max_block_m. NOTES: decode is weight-bound: a
 // block_m larger than the rows an expert gets only wastes MMA work, never bytes; prefill wants the widest tile.
@@ -82,9 +101,9 @@ inline void print_config_once(const char* family, int64_t num_tokens, int64_t to
   std::lock_guard<std::mutex> lock(mu);
   if (printed.insert({family, num_tokens, top_k, num_experts, hidden, intermediate, num_ranks}).second)
     std::printf("megamoe: sm90 %s grouped GEMM T=%lld K=%lld E=%lld H=%lld I=%lld ranks=%lld -> block_m=%d stages=%d "
-                "fused=%d pairs=%d\n", family, (long long)num_tokens, (long long)top_k, (long long)num_experts,
-                (long long)hidden, (long long)intermediate, (long long)num_ranks, c.block_m, c.num_stages,
-                int(c.fused), int(c.pairs));
+                "fused=%d pairs=%d tail_rows=%d\n", family, (long long)num_tokens, (long long)top_k,
+                (long long)num_experts, (long long)hidden, (long long)intermediate, (long long)num_ranks, c.block_m,
+                c.num_stages, int(c.fused), int(c.pairs), c.tail_rows);
 }
 
 inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
@@ -119,7 +138,9 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   const bool pairs_on = pairs_env != nullptr && pairs_env[0] == '1';
   if (c.fused && pairs_on && c.block_m == 128) c.block_m = 64;  // the pair walk's blocks are 64 rows
   c.pairs = c.fused && c.block_m == 64 && pairs_on;
-  c.num_stages = num_stages_for(c.block_m);
+  const char* tail_env = std::getenv("MEGAMOE_FP8_WIDE_TAIL");
+  c.tail_rows = tail_env != nullptr && tail_env[0] == '0' ? 0 : fp8_tail_rows(c.block_m, c.pairs);
+  c.num_stages = num_stages_for(c.block_m, c.pairs);
   print_config_once("FP8", num_tokens, top_k, num_experts, hidden, intermediate, num_ranks, c);
   return c;
 }

@@ -18,9 +18,9 @@ void launch_pre_dispatch(const void* x, const void* topk_idx, bool topk_idx_is_i
                          cudaStream_t stream);
 
 // Routing: (EP: barrier 0, then) per-expert row lists (pool_src) over every rank's slots, offsets,
-// token-block offsets for `block_m`, recv_stats.
+// token-block offsets for `block_m` (an expert's last block may hold `tail_rows` more), recv_stats.
 void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens, int block_m,
-                    int* recv_stats, cudaStream_t stream);
+                    int* recv_stats, cudaStream_t stream, int tail_rows = 0);
 
 // Gather: copy each pool row's token (packed row, scales K-block-major, NVFP4 per-token global scale)
 // into the dispatch area, in the layout of `recipe`.
@@ -36,6 +36,7 @@ void launch_combine(void* y, uint8_t* buffer, const layout::BufferLayout& layout
 struct GroupedGemmArgs {     // one GEMM's operands
   CUtensorMap tmap_weights;  // fp8 [E * n, k], box {128, 256} (pair walk: {128, 128}), 128B swizzle
   CUtensorMap tmap_acts;     // fp8 [pool_rows, k], box {128, block_m}, 128B swizzle
+  CUtensorMap tmap_acts_tail;  // the same, box {128, tail_rows}: a wide last block's rows past block_m (tail_rows > 0)
   const float* weights_sf;   // float32 [E, n / 64, k / 128]
   const float* acts_sf;      // float32 [k / 128, pool_rows]
   int n, k;

@@ -249,17 +249,19 @@ __device__ __forceinline__ float min_nan(float a, float b) {
 
 // SwiGLU of a thread's L1 accumulator fragment, in place (DESIGN.md §3): gate[i] <- silu(g) * u * col_w[j(i)] with
 // g, u = bf16(gate[i] * f), bf16(up[i] * f), f = col_f[j(i)] when kScaled (FP4: the tokens' dequantization factor),
-// clamped when clamp >= 0; j(i) = (i / 4) * 2 + i % 2 is the m64nN fragment's column (token) of register i.
+// clamped when clamp >= 0; j(i) = (i / 4) * 2 + i % 2 is the m64nN fragment's column (token) of register i. Only the
+// first kLive registers (default: all; the FP8 kernel's narrow tile in a fragment sized for a wide last block).
 // NOTES: fast_math is branched on once per fragment, not per element: with the branch inside the loop ptxas kept
 // each element's chain (two bf16 conversions, ex2, rcp) apart, so their latencies added up: ~2.3 µs of a ~5 µs L1
 // epilogue at block_m 64 (tile trace, H100, 2026-11-25). Pairs round to bf16 in one packed conversion.
-template <bool kFast, bool kScaled, int kRegs, int kCols>
+template <bool kFast, bool kScaled, int kLive, int kRegs, int kCols>
 __device__ __forceinline__ void swiglu_fragment_impl(float (&gate)[kRegs], const float (&up)[kRegs],
                                                      const float (&col_w)[kCols], const float (&col_f)[kCols],
                                                      float clamp) {
   static_assert(kRegs % 4 == 0 && kCols == kRegs / 2, "an m64nN accumulator fragment and its columns");
+  static_assert(kLive % 4 == 0 && kLive <= kRegs, "whole column groups of the fragment");
 #pragma unroll
-  for (int i = 0; i < kRegs; i += 2) {
+  for (int i = 0; i < kLive; i += 2) {
     const int j = (i / 4) * 2;  // registers i, i + 1: columns j, j + 1
     const float f0 = kScaled ? col_f[j] : 1.0f, f1 = kScaled ? col_f[j + 1] : 1.0f;
     const __nv_bfloat162 g2 = kScaled ? __floats2bfloat162_rn(gate[i] * f0, gate[i + 1] * f1)
@@ -278,12 +280,13 @@ __device__ __forceinline__ void swiglu_fragment_impl(float (&gate)[kRegs], const
     }
   }
 }
-template <bool kScaled, int kRegs, int kCols>
+template <bool kScaled, int kLive = -1, int kRegs, int kCols>
 __device__ __forceinline__ void swiglu_fragment(float (&gate)[kRegs], const float (&up)[kRegs],
                                                 const float (&col_w)[kCols], const float (&col_f)[kCols],
                                                 bool fast_math, float clamp) {
-  if (fast_math) swiglu_fragment_impl<true, kScaled>(gate, up, col_w, col_f, clamp);
-  else swiglu_fragment_impl<false, kScaled>(gate, up, col_w, col_f, clamp);
+  constexpr int kN = kLive < 0 ? kRegs : kLive;
+  if (fast_math) swiglu_fragment_impl<true, kScaled, kN>(gate, up, col_w, col_f, clamp);
+  else swiglu_fragment_impl<false, kScaled, kN>(gate, up, col_w, col_f, clamp);
 }
 
 // Max over groups of kLanes consecutive lanes (kLanes a power of two <= 32); NaN wins.
@@ -392,7 +395,9 @@ __device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_offset
   t.n_block = local / m_blocks;
   t.m_block = local % m_blocks;
   t.row0 = __ldcg(expert_offset + t.expert) + t.m_block * block_m;
-  t.rows = min(block_m, __ldcg(expert_offset + t.expert + 1) - t.row0);
+  // The last block takes the rest: up to block_m + the routing's tail rows (heuristics::fp8_tail_rows).
+  const int rest = __ldcg(expert_offset + t.expert + 1) - t.row0;
+  t.rows = t.m_block == m_blocks - 1 ? rest : min(block_m, rest);
   return t;
 }
 
@@ -424,7 +429,7 @@ __device__ __forceinline__ TileInfo decode_tile_warp(int tile, const int* tile_o
   t.n_block = local / m_blocks;  // token blocks innermost, as decode_tile
   t.m_block = local % m_blocks;
   t.row0 = first_row + t.m_block * block_m;
-  t.rows = min(block_m, end_row - t.row0);
+  t.rows = t.m_block == m_blocks - 1 ? end_row - t.row0 : min(block_m, end_row - t.row0);  // as decode_tile
   return t;
 }
 

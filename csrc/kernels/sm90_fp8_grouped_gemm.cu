@@ -13,8 +13,8 @@ namespace {
 template <int kBlockM, Gemms kGemms, bool kPairs = false>
 void launch_config(const GroupedGemmArgs& l1, const GroupedGemmArgs& l2, const GemmParams& p, int num_sms,
                    cudaStream_t stream) {
-  constexpr int kStages = heuristics::num_stages_for(kBlockM);
-  using Smem = GemmSmem<kBlockM, kStages, kGemms>;
+  constexpr int kStages = heuristics::num_stages_for(kBlockM, kPairs);
+  using Smem = GemmSmem<heuristics::fp8_tile_cols(kBlockM, kPairs), kStages, kGemms>;
   static_assert(Smem::kBytes <= 227 * 1024, "grouped GEMM shared memory exceeds the 227 KB a block may use");
   constexpr auto kernel = sm90_fp8_grouped_gemm_kernel<kBlockM, kStages, kGemms, kPairs>;
   allow_dynamic_smem<kernel>(Smem::kBytes);
@@ -23,10 +23,10 @@ void launch_config(const GroupedGemmArgs& l1, const GroupedGemmArgs& l2, const G
     // Persistent: as many CTA pairs as the GPU holds at once (the walk waits across CTAs: all must be resident).
     ctas = 2 * max_active_clusters<kernel, 2>(dim3(kNumThreads), Smem::kBytes);
     launch_pdl_cluster(kernel, dim3(ctas), dim3(kNumThreads), Smem::kBytes, 2, stream, l1.tmap_weights,
-                       l1.tmap_acts, l2.tmap_weights, l2.tmap_acts, p);
+                       l1.tmap_acts, l2.tmap_weights, l2.tmap_acts, l1.tmap_acts_tail, l2.tmap_acts_tail, p);
   } else {
     launch_pdl(kernel, dim3(ctas), dim3(kNumThreads), Smem::kBytes, stream, l1.tmap_weights, l1.tmap_acts,
-               l2.tmap_weights, l2.tmap_acts, p);
+               l2.tmap_weights, l2.tmap_acts, l1.tmap_acts_tail, l2.tmap_acts_tail, p);
   }
 #ifdef MEGAMOE_TILE_TRACE
   fp8_trace_print_kernel<<<1, 1, 0, stream>>>(ctas);  // the trace records, after the GEMM (stream order)

@@ -11,7 +11,8 @@
 // stage) and ends with an end marker, so only warp 0 knows the walk.
 //
 // Token blocks (block_m, the wgmma N) of 16, 32 or 64 tokens, or 128 (one partial accumulator per warpgroup instead
-// of one per slice: one_partial_stage).
+// of one per slice: one_partial_stage). At block_m 64 an expert's last block may hold 16 rows more (a wide last
+// block: m64n80 wgmmas, heuristics::fp8_tail_rows).
 //
 // Per 128-K block: 4 wgmma k32 steps into a fresh partial accumulator, then promotion
 // acc += partial * weight_scale(64-row chunk, k block) * token_scale(token, k block) in float32.
@@ -47,6 +48,8 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+
+#include <type_traits>
 
 #include "kernels/launch.hpp"
 #include "kernels/sm90_common.cuh"
@@ -97,18 +100,19 @@ struct WorkTile : TileInfo {
   int gemm;
 };
 
-template <int kBlockM, int kNumStages, Gemms kGemms>
+// kTileCols: the widest token tile, heuristics::fp8_tile_cols (block_m, or block_m + the tail rows of a wide last block).
+template <int kTileCols, int kNumStages, Gemms kGemms>
 struct GemmSmem {
   static constexpr int kTileA = kBlockN * kBlockK;       // bytes
-  static constexpr int kTileB = kBlockM * kBlockK;       // bytes
+  static constexpr int kTileB = kTileCols * kBlockK;     // bytes
   // FP8 outputs, per-warp token amax, the tile's per-token scales and their inverses.
-  static constexpr int kEpilogueL1 = kBlockM * 128 + 8 * kBlockM * 4 + 2 * kBlockM * 4;
-  static constexpr int kEpilogueL2 = kBlockM * kStagedL2RowBytes;     // bf16 outputs
+  static constexpr int kEpilogueL1 = kTileCols * 128 + 8 * kTileCols * 4 + 2 * kTileCols * 4;
+  static constexpr int kEpilogueL2 = kTileCols * kStagedL2RowBytes;     // bf16 outputs
   static constexpr int kEpilogue = kGemms == Gemms::kL1 ? kEpilogueL1
                                    : kGemms == Gemms::kL2 ? kEpilogueL2
                                    : (kEpilogueL1 > kEpilogueL2 ? kEpilogueL1 : kEpilogueL2);
-  // Scales of one stage (float32): the tile's four 64-row weight chunks, then its kBlockM token columns.
-  static constexpr int kScales = (kBlockN / 64 + kBlockM) * 4;
+  // Scales of one stage (float32): the tile's four 64-row weight chunks, then its token columns.
+  static constexpr int kScales = (kBlockN / 64 + kTileCols) * 4;
   static_assert(kScales % 16 == 0 && kEpilogue % 16 == 0, "scale slots must stay 16-byte aligned");
   static constexpr int kBytes = 1024 /* alignment slack */ + kNumStages * (kTileA + kTileB) + kEpilogue +
                                 2 * kNumStages * 8 + kNumStages * int(sizeof(WorkTile)) + kNumStages * kScales +
@@ -162,16 +166,73 @@ __device__ __forceinline__ void one_partial_stage(float (&acc0)[kRegs], float (&
   }
 }
 
+// One stage of a block_m <= 64 tile: the two slices' four k32 wgmmas each into their own partial accumulator (two
+// commit groups), then each slice's promotion acc += part * (weight scale * token scale), in k order. Mma: the tile's
+// m64nN (N = block_m, or the wider N of a wide last block: its registers are the first of the fragment's kRegs).
+// `released` releases the stage to the producers once both slices' wgmmas have read it.
+// NOTES: the two slices are separate commit groups, so slice 0's promotion runs while slice 1's wgmmas are still in
+// the tensor pipe (ncu, V4-Flash T=8192 L1: 14 % of all stall samples were consumers waiting on one wait_group for
+// both). Each accumulator keeps its k order: same bits.
+// Promotion. Fragment layout of m64nN: register 4j + {0,1} -> (row r, cols 8j + 2(lane%4) + {0,1}), 4j + {2,3} ->
+// (row r + 8, same cols). NOTES: one explicit fused multiply-add per element, as in one_partial_stage: left to
+// contraction, the compiler split some there into a multiply (to free the partial's registers for the next wgmma)
+// and a later add, two roundings: outputs 1 bf16 ulp off block_m 64's.
+template <typename Mma, int kRegs, typename Released>
+__device__ __forceinline__ void two_partial_stage(float (&acc0)[kRegs], float (&acc1)[kRegs], uint32_t a_lo,
+                                                  uint32_t b_lo, const float* token_sf, float ws0, float ws1, int lane,
+                                                  Released&& released) {
+  constexpr int kR = Mma::kNumRegs;
+  static_assert(kR <= kRegs && kR % 4 == 0, "the partial fills (part of) the accumulator fragment");
+  float col_sf[kR / 2];
+#pragma unroll
+  for (int j = 0; j < kR / 4; ++j) {
+    const float2 v = *reinterpret_cast<const float2*>(token_sf + 8 * j + 2 * (lane % 4));
+    col_sf[2 * j] = v.x, col_sf[2 * j + 1] = v.y;
+  }
+  float part0[kR], part1[kR];
+#pragma unroll
+  for (int i = 0; i < kR; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kBlockK / 32; ++ks)
+    Mma::run(part0, ptx::smem_desc_sw128(a_lo + ks * 2), ptx::smem_desc_sw128(b_lo + ks * 2), ks > 0);
+  ptx::wgmma_commit();
+#pragma unroll
+  for (int ks = 0; ks < kBlockK / 32; ++ks)
+    Mma::run(part1, ptx::smem_desc_sw128(a_lo + (64 * kBlockK + ks * 32) / 16), ptx::smem_desc_sw128(b_lo + ks * 2),
+             ks > 0);
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<1>();
+#pragma unroll
+  for (int i = 0; i < kR; ++i) ptx::fence_operand(part0[i]);
+#pragma unroll
+  for (int i = 0; i < kR; ++i) acc0[i] = __fmaf_rn(part0[i], ws0 * col_sf[(i / 4) * 2 + (i % 2)], acc0[i]);
+  ptx::wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kR; ++i) ptx::fence_operand(part1[i]);
+  released();
+#pragma unroll
+  for (int i = 0; i < kR; ++i) acc1[i] = __fmaf_rn(part1[i], ws1 * col_sf[(i / 4) * 2 + (i % 2)], acc1[i]);
+}
+
 template <int kBlockM, int kNumStages, Gemms kGemms, bool kPairs>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights1,
                                  const __grid_constant__ CUtensorMap tmap_acts1,
                                  const __grid_constant__ CUtensorMap tmap_weights2,
-                                 const __grid_constant__ CUtensorMap tmap_acts2, GemmParams p) {
+                                 const __grid_constant__ CUtensorMap tmap_acts2,
+                                 const __grid_constant__ CUtensorMap tmap_acts1_tail,
+                                 const __grid_constant__ CUtensorMap tmap_acts2_tail, GemmParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Smem = GemmSmem<kBlockM, kNumStages, kGemms>;
+  // A wide last block (heuristics::fp8_tail_rows): up to kTileCols token columns, its rows past kBlockM loaded by the
+  // tail tensor maps (box kTailRows) into the token tile after the first kBlockM, and multiplied on m64n(kTileCols)
+  // wgmmas; the other tiles run m64n(kBlockM) into the first registers of the same fragment.
+  constexpr int kTileCols = heuristics::fp8_tile_cols(kBlockM, kPairs);
+  constexpr int kTailRows = kTileCols - kBlockM;
+  using Smem = GemmSmem<kTileCols, kNumStages, kGemms>;
   using Mma = ptx::WgmmaFP8<kBlockM>;
-  constexpr int kRegs = Mma::kNumRegs;
+  using MmaWide = ptx::WgmmaFP8<kTileCols>;
+  constexpr int kRegs = MmaWide::kNumRegs;  // the accumulator fragment (a narrow tile leaves its last registers 0)
   constexpr bool kFused = kGemms == Gemms::kFused;
   static_assert(kBlockM % 8 == 0 && (kBlockM <= 64 || kBlockM == 128), "token block: a multiple of 8 to 64, or 128");
   // block_m 128 (the 256 x 128 tile): per consumer thread the two slices' accumulators take 128 registers, so there
@@ -446,13 +507,19 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             ptx::fence_proxy_async_global();  // the L1 tiles' generic stores, read next by TMA
           }
           const CUtensorMap* tmap_t = t.gemm ? &tmap_acts2 : &tmap_acts1;
+          const bool wide = kTailRows > 0 && t.rows > kBlockM;  // a wide last block (see the consumers)
           const float* src_sf = op.acts_sf + t.row0;
           for (int kb = 0; kb < num_kblocks; ++kb) {
             wait_empty(stage, phase ^ 1);
             if (has_tokens) {
               if (lane == 0) {
-                ptx::mbarrier_arrive_expect_tx(&full[stage], Smem::kTileB);
+                ptx::mbarrier_arrive_expect_tx(&full[stage], (wide ? kTileCols : kBlockM) * kBlockK);
                 ptx::tma_load_2d(tile_b + stage * Smem::kTileB, tmap_t, &full[stage], kb * kBlockK, t.row0);
+                // Rows kBlockM.. of a wide block: 64 rows = 8 swizzle atoms in, so the tile stays one K-major tile.
+                if (wide)
+                  ptx::tma_load_2d(tile_b + stage * Smem::kTileB + kBlockM * kBlockK,
+                                   t.gemm ? &tmap_acts2_tail : &tmap_acts1_tail, &full[stage], kb * kBlockK,
+                                   t.row0 + kBlockM);
               }
               // The tile's own token columns [row0, row0 + rows); the other slots keep old values (those columns
               // are never stored). NOTES: the columns past `rows` belong to the next expert, whose fused L1 tiles may
@@ -460,7 +527,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
               float* dst = stage_scales + stage * (Smem::kScales / 4) + kBlockN / 64;
               const float* src = src_sf + int64_t(kb) * l.pool_rows;
 #pragma unroll
-              for (int c = lane; c < kBlockM; c += 32)
+              for (int c = lane; c < kTileCols; c += 32)
                 if (c < t.rows) ptx::cp_async_4(dst + c, src + c);
               ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
             } else {
@@ -527,7 +594,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
   };
 
-  // An L2 epilogue's bulk copies (issued by consumer threads < kBlockM) may still read the epilogue area.
+  // An L2 epilogue's bulk copies (issued by consumer threads < kTileCols) may still read the epilogue area.
   bool bulk_pending = false;
   for (;;) {
     ptx::mbarrier_wait(&full[stage], phase);  // the tile's first stage carries its WorkTile
@@ -555,12 +622,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // last L1 tiles' epilogues gate their expert's L2 tiles.
     constexpr bool kEarlyEpilogueInputs = kBlockM <= 16;
     const float* row_weight = reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset);
-    float col_w[kBlockM / 4];
-    int row_src = -1;  // L2: thread ctid < kBlockM copies out row ctid
+    float col_w[kTileCols / 4];
+    int row_src = -1;  // L2: thread ctid < t.rows copies out row ctid
     auto load_epilogue_inputs = [&] {
       if (is_l1) {
 #pragma unroll
-        for (int j = 0; j < kBlockM / 4; ++j) {
+        for (int j = 0; j < kTileCols / 4; ++j) {
           const int col = 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
           col_w[j] = col < t.rows ? row_weight[t.row0 + col] : 0.0f;
         }
@@ -612,45 +679,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (++stage == kNumStages) stage = 0, phase ^= 1;
         continue;
       }
-      float col_sf[kBlockM / 4];
-#pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        const float2 v = *reinterpret_cast<const float2*>(sc + kBlockN / 64 + 8 * j + 2 * (lane % 4));
-        col_sf[2 * j] = v.x, col_sf[2 * j + 1] = v.y;
-      }
-      float part0[kRegs], part1[kRegs];
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]), ptx::fence_operand(part1[i]);
-      // NOTES: the two slices are separate commit groups, so slice 0's promotion runs while slice 1's
-      // wgmmas are still in the tensor pipe (ncu, V4-Flash T=8192 L1: 14 % of all stall samples were
-      // consumers waiting on one wait_group for both). Each accumulator keeps its k order: same bits.
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kBlockK / 32; ++ks)
-        Mma::run(part0, ptx::smem_desc_sw128(a_lo + ks * 2), ptx::smem_desc_sw128(b_lo + ks * 2), ks > 0);
-      ptx::wgmma_commit();
-#pragma unroll
-      for (int ks = 0; ks < kBlockK / 32; ++ks)
-        Mma::run(part1, ptx::smem_desc_sw128(a_lo + (64 * kBlockK + ks * 32) / 16), ptx::smem_desc_sw128(b_lo + ks * 2),
-                 ks > 0);
-      ptx::wgmma_commit();
-
-      // Promotion. Fragment layout of m64nN: register 4j + {0,1} -> (row r, cols 8j + 2(lane%4) + {0,1}),
-      // 4j + {2,3} -> (row r + 8, same cols). NOTES: one explicit fused multiply-add per element, as in
-      // one_partial_stage: left to contraction, the compiler split some there into a multiply (to free the partial's
-      // registers for the next wgmma) and a later add, two roundings: outputs 1 bf16 ulp off block_m 64's.
-      ptx::wgmma_wait<1>();
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part0[i]);
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc0[i] = __fmaf_rn(part0[i], ws0 * col_sf[(i / 4) * 2 + (i % 2)], acc0[i]);
-      ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part1[i]);
-      release(stage);
-      if (++stage == kNumStages) stage = 0, phase ^= 1;
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) acc1[i] = __fmaf_rn(part1[i], ws1 * col_sf[(i / 4) * 2 + (i % 2)], acc1[i]);
+      // A wide last block (more than kBlockM rows) on m64n(kTileCols), the others on m64n(kBlockM): same bits per
+      // output (each output's k order is the same), as block_m 128's m64n64 tail (test_wide_tail_equals_narrow).
+      auto released = [&] {
+        release(stage);
+        if (++stage == kNumStages) stage = 0, phase ^= 1;
+      };
+      if (kTailRows > 0 && t.rows > kBlockM)
+        two_partial_stage<MmaWide>(acc0, acc1, a_lo, b_lo, sc + kBlockN / 64, ws0, ws1, lane, released);
+      else
+        two_partial_stage<Mma>(acc0, acc1, a_lo, b_lo, sc + kBlockN / 64, ws0, ws1, lane, released);
     }
 
 #ifdef MEGAMOE_TILE_TRACE
@@ -664,98 +702,113 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // ======================================================================== epilogue
     if constexpr (!kEarlyEpilogueInputs) load_epilogue_inputs();
     if (bulk_pending) {  // the last L2 epilogue's copies have read the area before anyone writes it
-      if (ctid < kBlockM) ptx::bulk_wait_group_read<0>();
+      if (ctid < kTileCols) ptx::bulk_wait_group_read<0>();
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       bulk_pending = false;
     }
-    if (is_l1) {
-      // SwiGLU in registers: acc0 = gate rows, acc1 = the matching up rows.
-      float* amax_smem = reinterpret_cast<float*>(epilogue + kBlockM * 128);  // [8 warps][kBlockM]
-      swiglu_fragment<false>(acc0, acc1, col_w, col_w, p.fast_math, p.activation_clamp);
-      trace_epilogue(0);
-      // Per-token amax over this tile's 128 outputs (= one L2 scale block): registers, then lanes
-      // sharing a column (xor 4, 8, 16), then the 8 consumer warps through shared memory.
-      store_token_amax<kBlockM>(acc0, amax_smem + (consumer * 4 + warp) * kBlockM, lane);
-      ptx::named_barrier_sync(1, kNumConsumerThreads);
-      // Each token's scale and its inverse, once: consumer thread c < kBlockM reduces token c's 8 warp partials
-      // (warp order, so the result does not depend on timing) and stores the scale to the pool too.
-      // NOTES: tile trace (H100, V4-Flash T=8192, 2026-11-25): with every thread reducing its own 16 tokens (128
-      // loads, 16 divisions and reciprocals per thread) this phase took ~3 µs of a ~6.6 µs L1 epilogue; now ~1.2.
-      float* token_scale = amax_smem + 8 * kBlockM;  // [kBlockM] scales, then [kBlockM] inverses
-      if (ctid < kBlockM) {
-        float amax = 0.0f;
+    // The epilogue over the fragment registers the tile's wgmmas wrote (kLive: all of them for a wide last block, the
+    // narrow tile's first Mma::kNumRegs otherwise), each a compile-time loop bound.
+    // NOTES: a runtime bound in these unrolled loops (a break per register pair) kept ptxas from interleaving the
+    // elements' chains, as the fast_math branch once did in swiglu_fragment: +3 to +13 % at V4-Flash / V4-Pro T=2048-8192
+    // (H100 A/B, 2026-11-26, the wide-tail build with its tail off).
+    auto epilogue_regs = [&](auto live) {
+      constexpr int kLive = decltype(live)::value;
+      constexpr int kCols = 2 * kLive;  // token columns those registers hold
+      if (is_l1) {
+        // SwiGLU in registers: acc0 = gate rows, acc1 = the matching up rows.
+        float* amax_smem = reinterpret_cast<float*>(epilogue + kTileCols * 128);  // [8 warps][kTileCols]
+        swiglu_fragment<false, kLive>(acc0, acc1, col_w, col_w, p.fast_math, p.activation_clamp);
+        trace_epilogue(0);
+        // Per-token amax over this tile's 128 outputs (= one L2 scale block): registers, then lanes
+        // sharing a column (xor 4, 8, 16), then the 8 consumer warps through shared memory.
+        store_token_amax<kCols>(acc0, amax_smem + (consumer * 4 + warp) * kTileCols, lane);
+        ptx::named_barrier_sync(1, kNumConsumerThreads);
+        // Each token's scale and its inverse, once: consumer thread c < kTileCols reduces token c's 8 warp partials
+        // (warp order, so the result does not depend on timing) and stores the scale to the pool too.
+        // NOTES: tile trace (H100, V4-Flash T=8192, 2026-11-25): with every thread reducing its own 16 tokens (128
+        // loads, 16 divisions and reciprocals per thread) this phase took ~3 µs of a ~6.6 µs L1 epilogue; now ~1.2.
+        float* token_scale = amax_smem + 8 * kTileCols;  // [kTileCols] scales, then [kTileCols] inverses
+        if (ctid < kCols) {
+          float amax = 0.0f;
 #pragma unroll
-        for (int w = 0; w < 8; ++w) amax = max_nan(amax, amax_smem[w * kBlockM + ctid]);
-        const float scale = max_nan(amax, kAmaxEps) / kFP8Max;
-        token_scale[ctid] = scale, token_scale[kBlockM + ctid] = 1.0f / scale;
-        if (ctid < t.rows)
-          reinterpret_cast<float*>(p.buffer + l.pool_sf_offset)[int64_t(t.n_block) * l.pool_rows + t.row0 + ctid] =
-              scale;
-      }
-      ptx::named_barrier_sync(1, kNumConsumerThreads);
-      trace_epilogue(1);
-      uint8_t* out_tile = epilogue;  // [kBlockM tokens][128 outputs] E4M3
+          for (int w = 0; w < 8; ++w) amax = max_nan(amax, amax_smem[w * kTileCols + ctid]);
+          const float scale = max_nan(amax, kAmaxEps) / kFP8Max;
+          token_scale[ctid] = scale, token_scale[kTileCols + ctid] = 1.0f / scale;
+          if (ctid < t.rows)
+            reinterpret_cast<float*>(p.buffer + l.pool_sf_offset)[int64_t(t.n_block) * l.pool_rows + t.row0 + ctid] =
+                scale;
+        }
+        ptx::named_barrier_sync(1, kNumConsumerThreads);
+        trace_epilogue(1);
+        uint8_t* out_tile = epilogue;  // [kTileCols tokens][128 outputs] E4M3
 #pragma unroll
-      for (int j = 0; j < kBlockM / 4; j += 2) {
-        const int col = 8 * (j / 2) + 2 * (lane % 4);  // and col + 1 (j + 1)
-        const float2 scale = *reinterpret_cast<const float2*>(token_scale + col);
-        const float2 inv = *reinterpret_cast<const float2*>(token_scale + kBlockM + col);
-        const int i0 = (j / 2) * 4;
-        const int out = consumer * 64 + quad_row;
-        const float v00 = p.fast_math ? acc0[i0] * inv.x : acc0[i0] / scale.x;
-        const float v01 = p.fast_math ? acc0[i0 + 2] * inv.x : acc0[i0 + 2] / scale.x;
-        const float v10 = p.fast_math ? acc0[i0 + 1] * inv.y : acc0[i0 + 1] / scale.y;
-        const float v11 = p.fast_math ? acc0[i0 + 3] * inv.y : acc0[i0 + 3] / scale.y;
-        out_tile[staged_offset<uint8_t, 128>(col, out)] = to_fp8(v00);
-        out_tile[staged_offset<uint8_t, 128>(col, out + 8)] = to_fp8(v01);
-        out_tile[staged_offset<uint8_t, 128>(col + 1, out)] = to_fp8(v10);
-        out_tile[staged_offset<uint8_t, 128>(col + 1, out + 8)] = to_fp8(v11);
+        for (int j = 0; j < kCols / 4; j += 2) {
+          const int col = 8 * (j / 2) + 2 * (lane % 4);  // and col + 1 (j + 1)
+          const float2 scale = *reinterpret_cast<const float2*>(token_scale + col);
+          const float2 inv = *reinterpret_cast<const float2*>(token_scale + kTileCols + col);
+          const int i0 = (j / 2) * 4;
+          const int out = consumer * 64 + quad_row;
+          const float v00 = p.fast_math ? acc0[i0] * inv.x : acc0[i0] / scale.x;
+          const float v01 = p.fast_math ? acc0[i0 + 2] * inv.x : acc0[i0 + 2] / scale.x;
+          const float v10 = p.fast_math ? acc0[i0 + 1] * inv.y : acc0[i0 + 1] / scale.y;
+          const float v11 = p.fast_math ? acc0[i0 + 3] * inv.y : acc0[i0 + 3] / scale.y;
+          out_tile[staged_offset<uint8_t, 128>(col, out)] = to_fp8(v00);
+          out_tile[staged_offset<uint8_t, 128>(col, out + 8)] = to_fp8(v01);
+          out_tile[staged_offset<uint8_t, 128>(col + 1, out)] = to_fp8(v10);
+          out_tile[staged_offset<uint8_t, 128>(col + 1, out + 8)] = to_fp8(v11);
+        }
+        ptx::named_barrier_sync(1, kNumConsumerThreads);
+        trace_epilogue(2);
+        // Coalesced copy-out: 8 x 16 bytes per token row.
+        const int inter = n / 2;
+        for (int c = ctid; c < kCols * 8; c += kNumConsumerThreads) {
+          const int col = c / 8, part = c % 8;
+          if (col < t.rows)
+            *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter + t.n_block * 128 +
+                                      part * 16) = reinterpret_cast<const uint4*>(out_tile)[col * 8 + staged_chunk(col, part)];
+        }
+        if constexpr (kFused) ptx::fence_proxy_async_global();  // this thread's pool stores, read by L2's TMA
+        ptx::named_barrier_sync(1, kNumConsumerThreads);
+        trace_epilogue(3);
+        if constexpr (kFused) {
+          // This L1 tile's outputs (rows and scales, every consumer thread's, ordered by the barrier) are
+          // stored: count it for its expert; the expert's L2 tiles wait for the count (token producer).
+          // NOTES: the release is cumulative (PTX memory model: the other threads' stores precede it through the
+          // CTA barrier), so no fence before it; a __threadfence() there compiled to MEMBAR.SC.GPU and an L1
+          // invalidate ahead of the release's own MEMBAR.ALL.GPU: ~1.6 µs per L1 tile on this thread, whose
+          // warpgroup's next wgmmas wait for it (tile trace, H100, V4-Flash T=8192, 2026-11-25).
+          if (ctid == 0) ptx::red_release_gpu_add(sched + 1 + t.expert, 1);
+        }
+      } else {
+        // L2: bf16 rows into the combine area of the token's rank at (token, slot) (NVLink stores for a peer), one
+        // bulk copy per row, which no consumer waits for until the next epilogue (bulk_pending).
+        // NOTES: rows of kStagedL2RowBytes (256 outputs + 16 bytes): a fragment store's 4 token columns fall into
+        // different banks (no conflict; 512-byte rows gave 4-way conflicts, ~0.8 µs per tile), and each row stays
+        // contiguous for its bulk copy. Tile trace (H100, V4-Flash T=8192, 2026-11-25): the L2 epilogue was 3.4 µs per
+        // tile, 1.7 of them the synchronous 16-byte stores of store_combine_tile.
+        __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epilogue);  // [kTileCols][kStagedL2RowBytes / 2]
+        constexpr int kRow = kStagedL2RowBytes / 2;
+#pragma unroll
+        for (int i = 0; i < kLive; ++i) {
+          const int col = 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+          const int row = consumer * 128 + quad_row + ((i / 2) % 2) * 8;
+          out_tile[col * kRow + row] = __float2bfloat16_rn(acc0[i]);
+          out_tile[col * kRow + row + 64] = __float2bfloat16_rn(acc1[i]);
+        }
+        ptx::fence_proxy_async_shared();  // generic-proxy writes -> the bulk copies (async proxy)
+        ptx::named_barrier_sync(1, kNumConsumerThreads);
+        trace_epilogue(0);
+        if (ctid < kTileCols)
+          bulk_store_combine_row<kBlockN>(row_src, out_tile + ctid * kRow, p.buffer, l, t.n_block, n);
+        bulk_pending = true;
+        trace_epilogue(1);
       }
-      ptx::named_barrier_sync(1, kNumConsumerThreads);
-      trace_epilogue(2);
-      // Coalesced copy-out: 8 x 16 bytes per token row.
-      const int inter = n / 2;
-      for (int c = ctid; c < kBlockM * 8; c += kNumConsumerThreads) {
-        const int col = c / 8, part = c % 8;
-        if (col < t.rows)
-          *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter + t.n_block * 128 +
-                                    part * 16) = reinterpret_cast<const uint4*>(out_tile)[col * 8 + staged_chunk(col, part)];
-      }
-      if constexpr (kFused) ptx::fence_proxy_async_global();  // this thread's pool stores, read by L2's TMA
-      ptx::named_barrier_sync(1, kNumConsumerThreads);
-      trace_epilogue(3);
-      if constexpr (kFused) {
-        // This L1 tile's outputs (rows and scales, every consumer thread's, ordered by the barrier) are
-        // stored: count it for its expert; the expert's L2 tiles wait for the count (token producer).
-        // NOTES: the release is cumulative (PTX memory model: the other threads' stores precede it through the
-        // CTA barrier), so no fence before it; a __threadfence() there compiled to MEMBAR.SC.GPU and an L1
-        // invalidate ahead of the release's own MEMBAR.ALL.GPU: ~1.6 µs per L1 tile on this thread, whose
-        // warpgroup's next wgmmas wait for it (tile trace, H100, V4-Flash T=8192, 2026-11-25).
-        if (ctid == 0) ptx::red_release_gpu_add(sched + 1 + t.expert, 1);
-      }
+    };
+    if constexpr (kTailRows > 0) {
+      if (t.rows > kBlockM) epilogue_regs(std::integral_constant<int, kRegs>{});
+      else epilogue_regs(std::integral_constant<int, Mma::kNumRegs>{});
     } else {
-      // L2: bf16 rows into the combine area of the token's rank at (token, slot) (NVLink stores for a peer), one
-      // bulk copy per row, which no consumer waits for until the next epilogue (bulk_pending).
-      // NOTES: rows of kStagedL2RowBytes (256 outputs + 16 bytes): a fragment store's 4 token columns fall into
-      // different banks (no conflict; 512-byte rows gave 4-way conflicts, ~0.8 µs per tile), and each row stays
-      // contiguous for its bulk copy. Tile trace (H100, V4-Flash T=8192, 2026-11-25): the L2 epilogue was 3.4 µs per
-      // tile, 1.7 of them the synchronous 16-byte stores of store_combine_tile.
-      __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epilogue);  // [kBlockM][kStagedL2RowBytes / 2]
-      constexpr int kRow = kStagedL2RowBytes / 2;
-#pragma unroll
-      for (int i = 0; i < kRegs; ++i) {
-        const int col = 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-        const int row = consumer * 128 + quad_row + ((i / 2) % 2) * 8;
-        out_tile[col * kRow + row] = __float2bfloat16_rn(acc0[i]);
-        out_tile[col * kRow + row + 64] = __float2bfloat16_rn(acc1[i]);
-      }
-      ptx::fence_proxy_async_shared();  // generic-proxy writes -> the bulk copies (async proxy)
-      ptx::named_barrier_sync(1, kNumConsumerThreads);
-      trace_epilogue(0);
-      if (ctid < kBlockM)
-        bulk_store_combine_row<kBlockN>(row_src, out_tile + ctid * kRow, p.buffer, l, t.n_block, n);
-      bulk_pending = true;
-      trace_epilogue(1);
+      epilogue_regs(std::integral_constant<int, kRegs>{});
     }
 #ifdef MEGAMOE_TILE_TRACE
     if (ctid == 0 && trace_n < kTraceTiles) trace_t[trace_n++][2] = ptx::globaltimer_ns();  // epilogue done
@@ -766,7 +819,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 #endif
   }
   // The combine kernel reads these rows after this grid completes (and, with peers, after every rank signalled).
-  if (ctid < kBlockM) ptx::bulk_wait_group<0>();
+  if (ctid < kTileCols) ptx::bulk_wait_group<0>();
   if constexpr (kPairs) ptx::cluster_sync();  // no multicast or remote arrival may reach an exited CTA
 #ifdef MEGAMOE_TILE_TRACE
   if (ctid == 0 && blockIdx.x < kTraceMaxCtas) {

@@ -80,8 +80,8 @@ struct RoutingSmem {
 // NOTES: rows of one expert land in arbitrary order (atomics); every output element is still computed
 // by exactly one tile with a fixed summation order, so results are deterministic.
 __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffer, layout::BufferLayout l, int rank,
-                                                                  int num_tokens, int block_m, int* recv_stats,
-                                                                  int cached_slots) {
+                                                                  int num_tokens, int block_m, int tail_rows,
+                                                                  int* recv_stats, int cached_slots) {
   PhaseStamps trace;  // entry, after the dependency wait, counted, scanned, end (diagnostic builds only)
   trace.stamp();
   int* expert_count = reinterpret_cast<int*>(buffer + l.expert_count_offset);
@@ -174,7 +174,8 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   // scans, then warp 0 over the warp totals; each expert's words are stored by its own thread (coalesced).
   for (int base = 0; base < num_experts; base += blockDim.x) {
     const int e = base + threadIdx.x;
-    const int c = e < num_experts ? count[e] : 0, t = (c + block_m - 1) / block_m;
+    // Token blocks of block_m rows; the last may hold tail_rows more (heuristics::fp8_tail_rows; decode_tile).
+    const int c = e < num_experts ? count[e] : 0, t = c == 0 ? 0 : (max(c - tail_rows, 1) + block_m - 1) / block_m;
     int rows = c, tiles = t;  // inclusive within the warp
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
@@ -404,12 +405,12 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16*
 }  // namespace
 
 void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens, int block_m,
-                    int* recv_stats, cudaStream_t stream) {
+                    int* recv_stats, cudaStream_t stream, int tail_rows) {
   const RoutingSmem smem(layout);
   // The limit is set once per device (allow_dynamic_smem), so to what any layout may ask, not to this call's size.
   allow_dynamic_smem<routing_kernel>(kRoutingMaxSmem);
   launch_pdl(routing_kernel, dim3(1), dim3(kRoutingThreads), smem.bytes(), stream, buffer, layout, rank, num_tokens,
-             block_m, recv_stats, static_cast<int>(smem.cached_slots));
+             block_m, tail_rows, recv_stats, static_cast<int>(smem.cached_slots));
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -49,7 +49,7 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
 
   // ---- routing and gather (dispatch: every rank's tokens routed to this rank's experts)
   kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.routing_block(),
-                          recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream);
+                          recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream, cfg.tail_rows);
   kernels::launch_gather(buf, l, ActRecipe::kFP8F32Block128, sms, stream);
 
   // ---- L1: dispatch rows x w13 -> SwiGLU -> FP8 pool; L2: pool x w2 -> bf16 rows in the combine area
@@ -65,6 +65,13 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
   g2.tmap_weights = kernels::make_tensor_map_2d(l2_weights.data_ptr(), inter, e * h, inter, 128, weight_box);
   g2.tmap_acts = kernels::make_tensor_map_2d(buf + l.pool_offset, inter, rows, l.pool_row_bytes, 128, bm);
   g2.acts_sf = reinterpret_cast<const float*>(buf + l.pool_sf_offset);
+  // A wide last block's rows past block_m (heuristics::fp8_tail_rows): the same rows, a tail_rows box.
+  g1.tmap_acts_tail = cfg.tail_rows > 0 ? kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, h, rows, l.token_bytes,
+                                                                      128, static_cast<uint32_t>(cfg.tail_rows))
+                                        : g1.tmap_acts;
+  g2.tmap_acts_tail = cfg.tail_rows > 0 ? kernels::make_tensor_map_2d(buf + l.pool_offset, inter, rows, l.pool_row_bytes,
+                                                                      128, static_cast<uint32_t>(cfg.tail_rows))
+                                        : g2.tmap_acts;
   g2.weights_sf = l2_weights_sf.data_ptr<float>();
   g2.n = static_cast<int>(h);
   g2.k = static_cast<int>(inter);
