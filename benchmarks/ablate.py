@@ -85,8 +85,7 @@ PATCHES = {
     # The consumers go from one tile's main loop straight to the next (timing only): no epilogue, but each fused L1
     # tile is still counted for its expert (its L2 tiles wait for the count) and the accumulators stay live.
     "no-epilogue": [
-        ("      bulk_pending = false;\n    }\n    if (is_l1) {",
-         "      bulk_pending = false;\n    }\n"
+        ("    if constexpr (kTailRows > 0) {\n      if (t.rows > kBlockM) epilogue_regs(",
          "    if (true) {\n"
          "#pragma unroll\n"
          "      for (int i = 0; i < kRegs; ++i) asm volatile(\"\" ::\"f\"(acc0[i]), \"f\"(acc1[i]));\n"
@@ -94,7 +93,7 @@ PATCHES = {
          "        ptx::named_barrier_sync(1, kNumConsumerThreads);\n"
          "        if (ctid == 0) ptx::red_release_gpu_add(sched + 1 + t.expert, 1);\n"
          "      }\n"
-         "    } else if (is_l1) {"),
+         "    } else if constexpr (kTailRows > 0) {\n      if (t.rows > kBlockM) epilogue_regs("),
     ],
     "sync-scales": [
         ("            ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);\n            if (++stage",
