@@ -377,6 +377,18 @@ def skew_rows(case, rows_per_expert):
     case.ref = case.reference(topk_idx=idx)
 
 
+def skewed_case(case_args, seed_offset):
+    """A case of shape case_args = (E, H, I, K, T, rows_per_expert) on the GPU (one V4-Flash layer at a time), 10 %
+    masked slots, rows skewed as skew_rows does."""
+    e, h, i, k, t, rows = case_args
+    if e >= 256:
+        release_gpu_memory()
+    case = make_case(e, h, i, k, t, device="cuda", masked_fraction=0.1, seed=t + e + seed_offset)
+    if rows:
+        skew_rows(case, rows)
+    return case
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_launches"])
 @pytest.mark.parametrize("case_args", [(8, 256, 384, 1, 779, (1, 64, 65, 128, 129, 192, 200, 0)),
                                        (5, 384, 256, 2, 333, (300, 0, 33, 0, 0)),
@@ -390,11 +402,7 @@ def test_block_m_128_equals_64(case_args, fused, fused_env, monkeypatch):
     T=2048 (48 rows per expert: mostly tail blocks). Routing counted 128-row blocks; the fused walk counted every
     real block's L1 tiles."""
     e, h, i, k, t, rows = case_args
-    if e >= 256:
-        release_gpu_memory()
-    case = make_case(e, h, i, k, t, device="cuda", masked_fraction=0.1, seed=t + e + 11)
-    if rows:
-        skew_rows(case, rows)
+    case = skewed_case(case_args, 11)
     fused_env(fused)
     l1_nblocks = (2 * i + 255) // 256
     outs, stats = [], []
@@ -423,14 +431,10 @@ def test_wide_tail_equals_narrow(case_args, fused, fused_env, monkeypatch):
     MEGAMOE_FP8_WIDE_TAIL=0 (a block of its own for rows past 64), on poisoned pools, fused and in two launches.
     Rows per expert cover 1, 64, 65 (the smallest wide block), 79, 80 (the widest), 81 (two blocks: 64 + 17), 144
     (64 + 80), 145, 208 (64 + 64 + 80), 17, empty experts, hidden 384 (the last L2 tile's upper half past n) and
-    V4-Flash at T=6144 (~144 rows per expert: about half the experts end in a wide block). Routing counted the blocks with
-    and without the tail; the fused walk counted every block's L1 tiles."""
+    V4-Flash at T=6144 (~144 rows per expert: about half the experts end in a wide block). Routing counted the
+    blocks with and without the tail; the fused walk counted every block's L1 tiles."""
     e, h, i, k, t, rows = case_args
-    if e >= 256:
-        release_gpu_memory()
-    case = make_case(e, h, i, k, t, device="cuda", masked_fraction=0.1, seed=t + e + 13)
-    if rows:
-        skew_rows(case, rows)
+    case = skewed_case(case_args, 13)
     fused_env(fused)
     monkeypatch.setenv("MEGAMOE_FP8_BLOCK_M", "64")
     l1_nblocks = (2 * i + 255) // 256

@@ -100,7 +100,7 @@ struct WorkTile : TileInfo {
   int gemm;
 };
 
-// kTileCols: the widest token tile, heuristics::fp8_tile_cols (block_m, or block_m + the tail rows of a wide last block).
+// kTileCols: the widest token tile, heuristics::fp8_tile_cols (block_m, or block_m + a wide last block's tail rows).
 template <int kTileCols, int kNumStages, Gemms kGemms>
 struct GemmSmem {
   static constexpr int kTileA = kBlockN * kBlockK;       // bytes
@@ -709,8 +709,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     // The epilogue over the fragment registers the tile's wgmmas wrote (kLive: all of them for a wide last block, the
     // narrow tile's first Mma::kNumRegs otherwise), each a compile-time loop bound.
     // NOTES: a runtime bound in these unrolled loops (a break per register pair) kept ptxas from interleaving the
-    // elements' chains, as the fast_math branch once did in swiglu_fragment: +3 to +13 % at V4-Flash / V4-Pro T=2048-8192
-    // (H100 A/B, 2026-11-26, the wide-tail build with its tail off).
+    // elements' chains, as the fast_math branch once did in swiglu_fragment: +3 to +13 % at V4-Flash / V4-Pro
+    // T=2048-8192 (H100 A/B, 2026-11-26, the wide-tail build with its tail off).
     auto epilogue_regs = [&](auto live) {
       constexpr int kLive = decltype(live)::value;
       constexpr int kCols = 2 * kLive;  // token columns those registers hold
@@ -765,7 +765,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
           const int col = c / 8, part = c % 8;
           if (col < t.rows)
             *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter + t.n_block * 128 +
-                                      part * 16) = reinterpret_cast<const uint4*>(out_tile)[col * 8 + staged_chunk(col, part)];
+                                    part * 16) =
+              reinterpret_cast<const uint4*>(out_tile)[col * 8 + staged_chunk(col, part)];
         }
         if constexpr (kFused) ptx::fence_proxy_async_global();  // this thread's pool stores, read by L2's TMA
         ptx::named_barrier_sync(1, kNumConsumerThreads);

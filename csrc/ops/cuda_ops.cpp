@@ -66,12 +66,13 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
   g2.tmap_acts = kernels::make_tensor_map_2d(buf + l.pool_offset, inter, rows, l.pool_row_bytes, 128, bm);
   g2.acts_sf = reinterpret_cast<const float*>(buf + l.pool_sf_offset);
   // A wide last block's rows past block_m (heuristics::fp8_tail_rows): the same rows, a tail_rows box.
-  g1.tmap_acts_tail = cfg.tail_rows > 0 ? kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, h, rows, l.token_bytes,
-                                                                      128, static_cast<uint32_t>(cfg.tail_rows))
-                                        : g1.tmap_acts;
-  g2.tmap_acts_tail = cfg.tail_rows > 0 ? kernels::make_tensor_map_2d(buf + l.pool_offset, inter, rows, l.pool_row_bytes,
-                                                                      128, static_cast<uint32_t>(cfg.tail_rows))
-                                        : g2.tmap_acts;
+  const auto tail_box = static_cast<uint32_t>(cfg.tail_rows);
+  g1.tmap_acts_tail = tail_box > 0 ? kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, h, rows, l.token_bytes,
+                                                                 128, tail_box)
+                                   : g1.tmap_acts;
+  g2.tmap_acts_tail = tail_box > 0 ? kernels::make_tensor_map_2d(buf + l.pool_offset, inter, rows, l.pool_row_bytes,
+                                                                 128, tail_box)
+                                   : g2.tmap_acts;
   g2.weights_sf = l2_weights_sf.data_ptr<float>();
   g2.n = static_cast<int>(h);
   g2.k = static_cast<int>(inter);
