@@ -252,7 +252,7 @@ def gemm_block_m(num_tokens, top_k, num_experts):
     or MEGAMOE_FP8_BLOCK_M; 64 where the pair walk runs (MEGAMOE_FP8_PAIRS=1 in the fused launch)."""
     slots = num_tokens * top_k
     rows = 1 if slots <= num_experts else -(-slots // num_experts)
-    block = 16 if rows <= 13 else 32 if rows <= 27 else 64 if rows <= 64 else 128 if rows <= 112 else 64
+    block = 16 if rows <= 13 else 32 if rows <= 27 else 64 if rows <= 88 else 128 if rows <= 112 else 64
     forced = os.environ.get("MEGAMOE_FP8_BLOCK_M", "")
     if forced in ("16", "32", "64", "128"):
         block = int(forced)

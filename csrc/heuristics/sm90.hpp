@@ -63,6 +63,11 @@ static_assert(num_stages_for(16) == 6 && num_stages_for(32) == 5 && num_stages_f
 // V4-Pro T=8192 (128 rows, half the experts over 128) +1.9 / +0.5 % and V4-Flash T=8192 (192 rows) +3.3 / +3.7 %;
 // with this cut (-cut.json) V4-Flash T=3072 (72 rows) -2.4 / -8.9 %, T=4096 -3.7 / -2.8 %, V4-Pro T=6144 (96 rows)
 // -11.7 / -10.8 %. So 64 < rows <= 112 (the cut between the measured 96 and 128 rows is not measured itself).
+// Since the wide last block (fp8_tail_rows), block_m 64 takes 65-80 rows in one m64n80 tile: forced against block_m 128
+// (H100, 2026-11-26, 2 rounds, docs/bench/h100-2026-11-26c-ab-fp8-block64-tail-vs-128.json; per replay / in a graph)
+// it ran -3.5 / -9.7 % at 66 expected rows (V4-Flash T=2816), -4.2 / -6.7 % at 72, -0.9 / -4.8 % at 81, -3.7 / -3.9 %
+// at 68 (V4-Pro T=4352), -3.6 / -3.5 % at 76, and +4.8 / +3.1 % at 102 (V4-Flash 4352). So block_m 128 for
+// 88 < rows <= 112 (the cut between the measured 81 and 102 rows is not measured itself).
 // 16 / 32 / 64: an expert's rows scatter around the mean (uniform routing: Poisson-like), and each row past a block
 // costs a whole second tile (its weights streamed again, mostly from L2; for FP4 decoded again, which bounds those
 // kernels), so a block is taken only up to ~85 % of its width. NOTES: H100 A/Bs (2026-11-26, 1 round each; time per
@@ -75,7 +80,7 @@ static_assert(num_stages_for(16) == 6 && num_stages_for(32) == 5 && num_stages_f
 // up to 16 / 32 / 64 rows.
 // MEGAMOE_FP8_BLOCK_M=16/32/64/128 and MEGAMOE_FP4_BLOCK_M=16/32/64 (read per call; tests) force the kernels'.
 inline int token_block_for(int64_t rows, int max_block_m) {
-  const int b = rows <= 13 ? 16 : rows <= 27 ? 32 : rows <= 64 ? 64 : rows <= 112 ? 128 : 64;
+  const int b = rows <= 13 ? 16 : rows <= 27 ? 32 : rows <= 88 ? 64 : rows <= 112 ? 128 : 64;
   return b < max_block_m ? b : max_block_m;
 }
 
