@@ -252,7 +252,8 @@ def gemm_block_m(num_tokens, top_k, num_experts):
     or MEGAMOE_FP8_BLOCK_M; 64 where the pair walk runs (MEGAMOE_FP8_PAIRS=1 in the fused launch)."""
     slots = num_tokens * top_k
     rows = 1 if slots <= num_experts else -(-slots // num_experts)
-    block = 16 if rows <= 13 else 32 if rows <= 27 else 64 if rows <= 88 else 128 if rows <= 112 else 64
+    cut64 = 64 if os.environ.get("MEGAMOE_FP8_WIDE_TAIL", "").startswith("0") else 88  # the wide tail moves it
+    block = 16 if rows <= 13 else 32 if rows <= 27 else 64 if rows <= cut64 else 128 if rows <= 112 else 64
     forced = os.environ.get("MEGAMOE_FP8_BLOCK_M", "")
     if forced in ("16", "32", "64", "128"):
         block = int(forced)
@@ -262,10 +263,12 @@ def gemm_block_m(num_tokens, top_k, num_experts):
     return block
 
 
-def tail_rows(block_m, pairs=False):
+def tail_rows(block_m):
     """Rows an expert's last token block may hold beyond block_m, as csrc/heuristics/sm90.hpp (fp8_tail_rows) and
-    MEGAMOE_FP8_WIDE_TAIL decide: 16 at block_m 64 outside the pair walk."""
+    MEGAMOE_FP8_WIDE_TAIL decide: 16 at block_m 64 outside the pair walk (MEGAMOE_FP8_PAIRS=1 in the fused launch)."""
     off = os.environ.get("MEGAMOE_FP8_WIDE_TAIL", "").startswith("0")
+    pairs = (os.environ.get("MEGAMOE_FP8_PAIRS", "").startswith("1")
+             and not os.environ.get("MEGAMOE_FP8_FUSED", "").startswith("0"))
     return 16 if block_m == 64 and not pairs and not off else 0
 
 

@@ -33,7 +33,8 @@ struct GroupedGemmConfig {
 // T = 1-512 (other block sizes) within +-1.6 % (-decode.json). The same build with the tail off read +0.4 / +4.3 % at
 // V4-Flash 8192 (its fragment and token tile are sized for 80 columns) and within +-0.4 % elsewhere.
 // The tail stays 0 for the other block sizes (decode: a block is taken up to ~85 % of its width; block_m 128: the
-// one-partial loop has no registers for more columns). MEGAMOE_FP8_WIDE_TAIL=0 (read per call) turns it off.
+// one-partial loop has no registers for more columns). MEGAMOE_FP8_WIDE_TAIL=0 (read per call) turns it off, and
+// with it the block_m 64 cut at 88 rows (back to 128 from 65: choose_grouped_gemm).
 constexpr int fp8_tail_rows(int block_m, bool pairs) { return block_m == 64 && !pairs ? 16 : 0; }
 // Token columns of the FP8 kernel's widest tile (its token tile in shared memory, its epilogue staging).
 constexpr int fp8_tile_cols(int block_m, bool pairs) { return block_m + fp8_tail_rows(block_m, pairs); }
@@ -70,7 +71,8 @@ static_assert(num_stages_for(16) == 6 && num_stages_for(32) == 5 && num_stages_f
 // 88 < rows <= 112 (the cut between the measured 81 and 102 rows is not measured itself).
 // 16 / 32 / 64: an expert's rows scatter around the mean (uniform routing: Poisson-like), and each row past a block
 // costs a whole second tile (its weights streamed again, mostly from L2; for FP4 decoded again, which bounds those
-// kernels), so a block is taken only up to ~85 % of its width. NOTES: H100 A/Bs (2026-11-26, 1 round each; time per
+// kernels), so a block is taken only up to ~85 % of its width (FP8 block_m 64 since the wide last block: up to 88
+// rows, above). NOTES: H100 A/Bs (2026-11-26, 1 round each; time per
 // replay and in a graph). FP4, every format pair (docs/bench/h100-2026-11-26-ab-fp4-block-m.json): at 16 rows (V4-Pro
 // T=1024) block_m 32 ran 16-24 % faster than 16, at 32 rows (V4-Pro T=2048) 64 ran 10-14 % faster than 32; at 12 rows
 // (V4-Flash T=512) 16 beat 32 by 4-25 %, at 24 (V4-Flash T=1024) 32 beat 64 by 15-36 %, at 4-8 rows 16 beat 32 by
@@ -117,7 +119,12 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   const int64_t slots = num_tokens * top_k;
   const int64_t rows = slots <= num_experts ? 1 : (slots + num_experts - 1) / num_experts;
   GroupedGemmConfig c;
-  c.block_m = forced_block_m("MEGAMOE_FP8_BLOCK_M", token_block_for(rows, 128), 128);
+  const char* tail_env = std::getenv("MEGAMOE_FP8_WIDE_TAIL");
+  const bool tail_off = tail_env != nullptr && tail_env[0] == '0';
+  int block = token_block_for(rows, 128);
+  // Without the wide last block, block_m 128 from 65 rows, the cut measured before it (token_block_for).
+  if (tail_off && block == 64 && rows > 64 && rows <= 112) block = 128;
+  c.block_m = forced_block_m("MEGAMOE_FP8_BLOCK_M", block, 128);
   // NOTES: one launch for L1 and L2 (L2 tiles start as soon as their expert's L1 tiles are stored, on SMs
   // that finished L1, instead of after L1's tail and a second launch ramp). H100 A/B of this kernel vs two
   // launches (2026-11-23, docs/bench/h100-2026-11-23b-ab-fused-v2*.json): V4-Pro T=1 / 2048 / 4096 -4.3 / -16 /
@@ -143,8 +150,7 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   const bool pairs_on = pairs_env != nullptr && pairs_env[0] == '1';
   if (c.fused && pairs_on && c.block_m == 128) c.block_m = 64;  // the pair walk's blocks are 64 rows
   c.pairs = c.fused && c.block_m == 64 && pairs_on;
-  const char* tail_env = std::getenv("MEGAMOE_FP8_WIDE_TAIL");
-  c.tail_rows = tail_env != nullptr && tail_env[0] == '0' ? 0 : fp8_tail_rows(c.block_m, c.pairs);
+  c.tail_rows = tail_off ? 0 : fp8_tail_rows(c.block_m, c.pairs);
   c.num_stages = num_stages_for(c.block_m, c.pairs);
   print_config_once("FP8", num_tokens, top_k, num_experts, hidden, intermediate, num_ranks, c);
   return c;

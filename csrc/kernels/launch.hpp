@@ -18,7 +18,8 @@ void launch_pre_dispatch(const void* x, const void* topk_idx, bool topk_idx_is_i
                          cudaStream_t stream);
 
 // Routing: (EP: barrier 0, then) per-expert row lists (pool_src) over every rank's slots, offsets,
-// token-block offsets for `block_m` (an expert's last block may hold `tail_rows` more), recv_stats.
+// token-block offsets for `block_m` (an expert's last block may hold `tail_rows` more: the GEMM's tiles must then
+// hold block_m + tail_rows token columns, heuristics::fp8_tile_cols; the FP4 GEMM takes 0), recv_stats.
 void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens, int block_m,
                     int* recv_stats, cudaStream_t stream, int tail_rows = 0);
 

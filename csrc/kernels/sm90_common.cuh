@@ -249,8 +249,9 @@ __device__ __forceinline__ float min_nan(float a, float b) {
 
 // SwiGLU of a thread's L1 accumulator fragment, in place (DESIGN.md §3): gate[i] <- silu(g) * u * col_w[j(i)] with
 // g, u = bf16(gate[i] * f), bf16(up[i] * f), f = col_f[j(i)] when kScaled (FP4: the tokens' dequantization factor),
-// clamped when clamp >= 0; j(i) = (i / 4) * 2 + i % 2 is the m64nN fragment's column (token) of register i. Only the
-// first kLive registers (default: all; the FP8 kernel's narrow tile in a fragment sized for a wide last block).
+// clamped when clamp >= 0; j(i) = (i / 4) * 2 + i % 2 is the m64nN fragment's column (token) of register i. It
+// processes the first kLive registers only (default: all; the FP8 kernel's narrow tile in a fragment sized for a wide
+// last block).
 // NOTES: fast_math is branched on once per fragment, not per element: with the branch inside the loop ptxas kept
 // each element's chain (two bf16 conversions, ex2, rcp) apart, so their latencies added up: ~2.3 µs of a ~5 µs L1
 // epilogue at block_m 64 (tile trace, H100, 2026-11-25). Pairs round to bf16 in one packed conversion.
