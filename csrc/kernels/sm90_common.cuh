@@ -364,50 +364,22 @@ __device__ __forceinline__ void store_e2m1x8(uint8_t* dst, const float* v, float
 // ------------------------------------------------------------------------------------------------
 // Grouped-GEMM work tiles (both weight formats): tile -> (expert, token block, weight block)
 // ------------------------------------------------------------------------------------------------
-// Finds the tile's expert by binary search over the cumulative token blocks.
-__device__ __forceinline__ int find_expert(const int* tile_offset, int num_experts, int num_nblocks, int tile) {
-  int lo = 0, hi = num_experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (__ldcg(tile_offset + mid) * num_nblocks <= tile) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-
 struct TileInfo {
   int expert, m_block, n_block, row0, rows;
 };
-// NOTES: only the producer runs decode_tile's binary search (a chain of dependent L2 loads, ~8 for 256
-// experts): in the FP4 kernel its TMA thread and its scale-copy warp, in the FP8 kernel its one warp. The
-// producer stores the TileInfo in shared memory next to the tile's first stage (tile_infos[stage]) before
-// arming that stage's full barrier, whose release/acquire publishes it. The consumer roles read it after
-// their wait on that stage; the producer rewrites the slot only once every consumer has released the stage.
-// ncu had the consumers of the FP4 kernel spend ~5 % of their time in their own search at each tile start.
-
-__device__ __forceinline__ TileInfo decode_tile(int tile, const int* tile_offset, const int* expert_offset,
-                                                int num_experts, int num_nblocks, int block_m) {
-  TileInfo t;
-  t.expert = find_expert(tile_offset, num_experts, num_nblocks, tile);
-  const int first_block = __ldcg(tile_offset + t.expert);
-  const int m_blocks = __ldcg(tile_offset + t.expert + 1) - first_block;
-  const int local = tile - first_block * num_nblocks;
-  // Token blocks innermost: CTAs running side by side share a weight tile, which L2 then serves.
-  t.n_block = local / m_blocks;
-  t.m_block = local % m_blocks;
-  t.row0 = __ldcg(expert_offset + t.expert) + t.m_block * block_m;
-  // The last block takes the rest: up to block_m + the routing's tail rows (heuristics::fp8_tail_rows).
-  const int rest = __ldcg(expert_offset + t.expert + 1) - t.row0;
-  t.rows = t.m_block == m_blocks - 1 ? rest : min(block_m, rest);
-  return t;
-}
-
-// decode_tile for a whole warp (every lane calls it with the same tile; every lane gets the result): the search
-// narrows the expert range 32-fold per round of 32 parallel loads (2 rounds for up to 1,024 experts), then
-// lanes 0-3 load the expert's offsets together: 3 L2 round trips where decode_tile takes ~log2(E) + 2 dependent
-// ones, all before the tile's first weight load. NOTES: FP8 tile trace (H100, 2026-11-23): every CTA's first
-// stage was full ~12 µs after its first claim; with this search ~10 µs (the rest is the first loads themselves).
-// Model: docs/models/warp_tile_decode.py (tests/test_models.py).
+// Tile -> (expert, token block, weight block) for a whole warp (every lane calls it with the same tile; every lane
+// gets the result). The tile list is expert-major, token blocks innermost (CTAs running side by side share a weight
+// tile, which L2 then serves); an expert's last token block takes the rest of its rows (up to block_m + the routing's
+// tail rows, heuristics::fp8_tail_rows). The search narrows the expert range 32-fold per round of 32 parallel loads
+// (2 rounds for up to 1,024 experts), then lanes 0-3 load the expert's offsets together: 3 L2 round trips where a
+// binary search is ~log2(E) + 2 dependent ones, all before the tile's first weight load. NOTES: FP8 tile trace (H100,
+// 2026-11-23): every CTA's first stage was full ~12 µs after its first claim; with this search ~10 µs (the rest is
+// the first loads themselves). Model: docs/models/warp_tile_decode.py (tests/test_models.py).
+// NOTES: only the producer runs the search: in the FP4 kernel its TMA warp and its scale-copy warp, in the FP8 kernel
+// its weight warp. The producer stores the TileInfo in shared memory next to the tile's first stage
+// (tile_infos[stage]) before arming that stage's full barrier, whose release/acquire publishes it. The consumer roles
+// read it after their wait on that stage; the producer rewrites the slot only once every consumer has released the
+// stage. ncu had the consumers of the FP4 kernel spend ~5 % of their time in their own search at each tile start.
 __device__ __forceinline__ TileInfo decode_tile_warp(int tile, const int* tile_offset, const int* expert_offset,
                                                      int num_experts, int num_nblocks, int block_m) {
   const int lane = threadIdx.x % 32;
@@ -427,10 +399,10 @@ __device__ __forceinline__ TileInfo decode_tile_warp(int tile, const int* tile_o
   const int first_block = __shfl_sync(0xffffffffu, v, 0), m_blocks = __shfl_sync(0xffffffffu, v, 1) - first_block;
   const int first_row = __shfl_sync(0xffffffffu, v, 2), end_row = __shfl_sync(0xffffffffu, v, 3);
   const int local = tile - first_block * num_nblocks;
-  t.n_block = local / m_blocks;  // token blocks innermost, as decode_tile
+  t.n_block = local / m_blocks;  // token blocks innermost
   t.m_block = local % m_blocks;
   t.row0 = first_row + t.m_block * block_m;
-  t.rows = t.m_block == m_blocks - 1 ? end_row - t.row0 : min(block_m, end_row - t.row0);  // as decode_tile
+  t.rows = t.m_block == m_blocks - 1 ? end_row - t.row0 : min(block_m, end_row - t.row0);
   return t;
 }
 

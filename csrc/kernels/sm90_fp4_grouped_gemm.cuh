@@ -538,7 +538,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     const SplitUnit first_unit = split_unit<kSplitK>(blockIdx.x, plan, num_kblocks);
     const int early = blockIdx.x < num_units ? min(kNumStages, first_unit.kb_end - first_unit.kb_begin) : 0;
     // The whole TMA warp finds each tile (decode_tile_warp: 3 L2 round trips, as the FP8 producer, instead of
-    // decode_tile's ~10 dependent loads); lane 0 issues.
+    // a serial binary search's ~10 dependent loads); lane 0 issues.
     if (warp == 0) {
       if (lane == 0) {
         ptx::prefetch_tensormap(&tmap_weights);

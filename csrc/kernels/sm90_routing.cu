@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   // scans, then warp 0 over the warp totals; each expert's words are stored by its own thread (coalesced).
   for (int base = 0; base < num_experts; base += blockDim.x) {
     const int e = base + threadIdx.x;
-    // Token blocks of block_m rows; the last may hold tail_rows more (heuristics::fp8_tail_rows; decode_tile).
+    // Token blocks of block_m rows; the last may hold tail_rows more (heuristics::fp8_tail_rows; decode_tile_warp).
     const int c = e < num_experts ? count[e] : 0, t = c == 0 ? 0 : (max(c - tail_rows, 1) + block_m - 1) / block_m;
     int rows = c, tiles = t;  // inclusive within the warp
 #pragma unroll
