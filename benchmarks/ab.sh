@@ -11,7 +11,7 @@
 # benchmark; bench_moe (no peer pipeline) then runs on the variants in turn, AB_ROUNDS times. Under $OUT (at most
 # 8 files come back): ab.txt (each row's median time / floor per variant and its median time over the first
 # variant's), ab.json (every row, with variant and round), ab-log.txt (build, test and bench logs).
-#   AB_FORMATS (fp8), AB_MODELS (V4-Flash,V4-Pro), AB_TOKENS (1,16,512,2048,8192), AB_ROUNDS (1)
+#   AB_FORMATS (fp8), AB_ACT_FORMATS (fp8,fp4: the FP4 rows), AB_MODELS (V4-Flash,V4-Pro), AB_TOKENS (1,16,512,2048,8192), AB_ROUNDS (1)
 set -uo pipefail
 here=$(pwd)
 out=${OUT:-device_out}
@@ -123,6 +123,7 @@ for round in $(seq 1 "${AB_ROUNDS:-1}"); do
   for i in "${!specs[@]}"; do
     [ -n "${failed[$i]:-}" ] && continue
     in_variant "$i" timeout 300 python3 benchmarks/bench_moe.py --no-peer --formats "${AB_FORMATS:-fp8}" \
+      --act-formats "${AB_ACT_FORMATS:-fp8,fp4}" \
       --models "${AB_MODELS:-V4-Flash,V4-Pro}" --tokens "${AB_TOKENS:-1,16,512,2048,8192}" \
       --json "$work/ab-$i-$round.json" >"$work/bench.log" 2>&1
     rc=$?

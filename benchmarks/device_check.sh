@@ -13,7 +13,7 @@
 #   CLOCK_MODEL (V4-Flash), FP8, no peer: clocks.csv, clocks.log.
 #   profile: profile_moe.py per kernel for PROFILE_CASES (space-separated fmt:act, default fp8:fp8) at PROFILE_TOKENS
 #   (1,128,8192) of PROFILE_MODEL (V4-Flash); PROFILE_TIMELINE=1 adds the graph-replay timeline.
-#   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below).
+#   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below; NCU_KERNELS: another kernel-name regex).
 #   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py).
 #   trace: tile traces (tile_trace.py) from a MEGAMOE_TILE_TRACE build, TRACE_CASES (fmt:act:T, default MXFP4 w4a8 at
 #   T = 1, 16, 512), TRACE_MODEL (V4-Flash): trace-*.txt / .json.
@@ -89,7 +89,7 @@ if has ncu; then
     IFS=: read -r fmt act t <<<"$spec"
     rep="$out/ncu-$fmt-a$act-$t${NCU_ABLATION:+-abl}"
     (cd "$ncu_tree/benchmarks" && PYTHONPATH="$ncu_tree" ncu --profile-from-start off --clock-control none --set full --import-source yes \
-      -k regex:grouped_gemm -f -o "$rep" python3 profile_moe.py --ncu --model V4-Flash --format "$fmt" \
+      -k "regex:${NCU_KERNELS:-grouped_gemm}" -f -o "$rep" python3 profile_moe.py --ncu --model V4-Flash --format "$fmt" \
       --act-format "$act" --tokens "$t") >"$rep.log" 2>&1 || tail -20 "$rep.log"
     ncu -i "$rep.ncu-rep" --page details >"$rep-details.txt" 2>&1
     ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep-sass.csv" 2>&1

@@ -1,5 +1,7 @@
 // Host side of the FP4 grouped GEMM (dispatch to the per-layer instantiation files) and the NVFP4
 // requantization kernel between L1 and L2.
+#include <algorithm>
+
 #include <cuda.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -47,48 +49,74 @@ void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, co
 // ------------------------------------------------------------------------------------------------
 namespace {
 
-constexpr int kRequantThreads = 256;
+constexpr int kRequantMaxThreads = 1024;
 
-// One warp per pool row: row amax -> g = amax / (6 * 448); per 16: sf = e4m3(amax_blk / (6 g)),
-// codes = e2m1(x / (sf * g)); exactly pre_dispatch's NVFP4 recipe (and the CPU op's).
-__global__ void __launch_bounds__(kRequantThreads) nvfp4_requant_kernel(const float* scratch, uint8_t* buffer,
-                                                                        layout::BufferLayout l) {
+// Quantizes one 16-element block of a row (a thread's 16 floats) with the row's global scale g into the pool.
+__device__ __forceinline__ void requant_block(const float (&v)[16], float g, uint8_t* pool_row, uint8_t* pool_sf,
+                                              int b, int row, int pool_rows) {
+  float bmax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) bmax = max_nan(bmax, fabsf(v[i]));
+  const __nv_fp8_e4m3 sf(min_nan(bmax / (g * kE2M1Max), kFP8Max));
+  const float denom = float(sf) * g;
+  store_e2m1x8(pool_row + b * 8, v, denom);
+  store_e2m1x8(pool_row + b * 8 + 4, v + 8, denom);
+  pool_sf[int64_t(b) * pool_rows + row] = sf.__x;
+}
+
+__device__ __forceinline__ void load_block16(const float* src, float (&v)[16]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + i);
+    v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
+  }
+}
+
+// One CTA per pool row, one thread per 16-element block: row amax (CTA reduction) -> g = amax / (6 * 448); per 16:
+// sf = e4m3(amax_blk / (6 g)), codes = e2m1(x / (sf * g)); exactly pre_dispatch's NVFP4 recipe (and the CPU op's).
+// NOTES: the earlier form (one warp per row, 64 elements per lane) was bound by each lane's serial chain of ~2,800
+// instructions (16 IEEE divisions per block): ncu 11.2 µs alone at V4-Flash T=16 (96 rows, 2 warps per scheduler),
+// and 35 µs from L1's end in a graph replay, where L2's weight prefetch runs beside it (H100, 2026-11-26). A whole
+// row at once in one warp's registers did not help (-1 %): the chain per lane was the same.
+__global__ void __launch_bounds__(kRequantMaxThreads) nvfp4_requant_kernel(const float* scratch, uint8_t* buffer,
+                                                                           layout::BufferLayout l) {
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
+  __shared__ float warp_amax[2][kRequantMaxThreads / 32];
   const int rows = __ldcg(reinterpret_cast<const int*>(buffer + l.expert_offset_offset) + l.num_local_experts);
-  const int inter = static_cast<int>(l.intermediate);
-  const int lane = threadIdx.x % 32;
-  const int warps = gridDim.x * kRequantThreads / 32;
+  const int inter = static_cast<int>(l.intermediate), blocks = inter / 16;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   uint8_t* pool = buffer + l.pool_offset;
   uint8_t* pool_sf = buffer + l.pool_sf_offset;
   float* pool_gsf = reinterpret_cast<float*>(buffer + l.pool_global_sf_offset);
-  for (int row = (blockIdx.x * kRequantThreads + threadIdx.x) / 32; row < rows; row += warps) {
+  const int pool_rows = static_cast<int>(l.pool_rows);
+  for (int row = blockIdx.x, it = 0; row < rows; row += gridDim.x, it ^= 1) {
     const float* src = scratch + int64_t(row) * inter;
+    uint8_t* pool_row = pool + int64_t(row) * (inter / 2);
+    const int b0 = threadIdx.x;
+    float v[16] = {};
+    if (b0 < blocks) load_block16(src + b0 * 16, v);
     float amax = 0.0f;
-    for (int c = lane * 4; c < inter; c += 128) {
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(src + c));
-      amax = max_nan(amax, max_nan(max_nan(fabsf(v.x), fabsf(v.y)), max_nan(fabsf(v.z), fabsf(v.w))));
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = max_nan(amax, fabsf(v[i]));
+    for (int b = b0 + blockDim.x; b < blocks; b += blockDim.x) {  // rows past 16 x 1,024 elements only
+      float w[16];
+      load_block16(src + b * 16, w);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) amax = max_nan(amax, fabsf(w[i]));
     }
     amax = warp_reduce_max<32>(amax);
+    if (lane == 0) warp_amax[it][warp] = amax;
+    __syncthreads();  // double-buffered by `it`: the next row's writes cannot race this row's reads
+    amax = 0.0f;
+    for (int w = 0; w < warps; ++w) amax = max_nan(amax, warp_amax[it][w]);
     const float g = max_nan(amax, kAmaxEps) / (kE2M1Max * kFP8Max);
-    for (int b = lane; b < inter / 16; b += 32) {
-      float v[16];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float4 x = __ldcg(reinterpret_cast<const float4*>(src + b * 16 + 4 * i));
-        v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
-      }
-      float bmax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) bmax = max_nan(bmax, fabsf(v[i]));
-      const __nv_fp8_e4m3 sf(min_nan(bmax / (g * kE2M1Max), kFP8Max));
-      const float denom = float(sf) * g;
-      uint8_t* dst = pool + int64_t(row) * (inter / 2) + b * 8;
-      store_e2m1x8(dst, v, denom);
-      store_e2m1x8(dst + 4, v + 8, denom);
-      pool_sf[int64_t(b) * l.pool_rows + row] = sf.__x;
+    if (b0 < blocks) requant_block(v, g, pool_row, pool_sf, b0, row, pool_rows);
+    for (int b = b0 + blockDim.x; b < blocks; b += blockDim.x) {
+      load_block16(src + b * 16, v);
+      requant_block(v, g, pool_row, pool_sf, b, row, pool_rows);
     }
-    if (lane == 0) pool_gsf[row] = g;
+    if (threadIdx.x == 0) pool_gsf[row] = g;
   }
 }
 
@@ -96,10 +124,11 @@ __global__ void __launch_bounds__(kRequantThreads) nvfp4_requant_kernel(const fl
 
 void launch_nvfp4_requant(const float* scratch, uint8_t* buffer, const layout::BufferLayout& layout, int max_rows,
                           int num_sms, cudaStream_t stream) {
-  const int warps_per_block = kRequantThreads / 32;
-  int blocks = (max_rows + warps_per_block - 1) / warps_per_block;
-  blocks = blocks < 1 ? 1 : blocks > num_sms * 8 ? num_sms * 8 : blocks;
-  launch_pdl(nvfp4_requant_kernel, dim3(blocks), dim3(kRequantThreads), 0, stream, scratch, buffer, layout);
+  const int blocks16 = static_cast<int>(layout.intermediate / 16);
+  const int threads = std::min((blocks16 + 31) / 32 * 32, kRequantMaxThreads);
+  // A CTA per row (rows past the grid loop); enough CTAs to fill the SMs at prefill sizes.
+  const int ctas = std::max(1, std::min(max_rows, num_sms * (2048 / threads)));
+  launch_pdl(nvfp4_requant_kernel, dim3(ctas), dim3(threads), 0, stream, scratch, buffer, layout);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
