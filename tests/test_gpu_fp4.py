@@ -180,6 +180,29 @@ def test_forced_block_m_equal(weight_format, act_format, shape, monkeypatch):
         assert torch.equal(run_poisoned(case), default), f"block_m {block_m}"
 
 
+@combo
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_narrow_mma_equals_full_width(weight_format, act_format, block_m, monkeypatch):
+    """The BF16 path at block_m 32 / 64 runs each tile's wgmmas only as wide as its rows rounded up to 16 (m64n16 ...
+    n64); MEGAMOE_FP4_NARROW_MMA=0 runs every tile at the block's width. Each output's products and K order are the
+    same, so the outputs are bitwise equal, on poisoned outputs, for experts of every width class and a few token
+    blocks (rows 1-100, one empty). MXFP4 tokens take the FP8-wgmma path, which always runs the block's width."""
+    rows = [1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 100, 0]
+    e, h, i, k, t = len(rows), 384, 256, 1, sum(rows)
+    case = make_case(e, h, i, k, t, weight_format, act_format, device="cuda", seed=301 + block_m, with_ref=False)
+    gen = torch.Generator().manual_seed(302 + block_m)
+    experts = torch.repeat_interleave(torch.arange(e), torch.tensor(rows))[torch.randperm(t, generator=gen)]
+    case.topk_idx = experts.view(t, 1).to(device="cuda", dtype=case.topk_idx.dtype)
+    case.ref = case.reference()
+    monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", str(block_m))
+    monkeypatch.setenv("MEGAMOE_FP4_NARROW_MMA", "0")
+    full = run_poisoned(case)
+    monkeypatch.delenv("MEGAMOE_FP4_NARROW_MMA")
+    narrow = run_poisoned(case)
+    assert torch.equal(narrow, full)
+    assert rel_err(narrow, case.ref) <= TOL
+
+
 def fp4_split_plans(case, e, h, i, block_m, round_):
     """Python mirror of the kernel's SplitPlan (sm90_fp4_grouped_gemm.cuh) for L1 and L2: (whole, splits) each."""
     idx = case.topk_idx.flatten()

@@ -169,6 +169,14 @@ inline bool choose_mxfp4_fp8_mma(bool mxfp4_acts) {
   return mxfp4_acts;
 }
 
+// FP4 BF16 path at block_m 32 / 64: each tile's wgmmas are as wide as its rows rounded up to 16 (m64n16 ... n64), not
+// the whole block (sm90_fp4_grouped_gemm.cuh, live_cols). MEGAMOE_FP4_NARROW_MMA=0 (read per call; tests) runs
+// every tile at the block's width.
+inline bool fp4_narrow_mma() {
+  const char* env = std::getenv("MEGAMOE_FP4_NARROW_MMA");
+  return env == nullptr || env[0] != '0';
+}
+
 // ------------------------------------------------------------------------------------------------
 // FP4 grouped GEMM (sm90_fp4_grouped_gemm): weights decoded on chip to bf16, 256 K per stage.
 // ------------------------------------------------------------------------------------------------

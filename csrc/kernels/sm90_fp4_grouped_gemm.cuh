@@ -56,6 +56,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "heuristics/sm90.hpp"
 #include "kernels/launch.hpp"
@@ -117,6 +118,7 @@ struct Params {
   float activation_clamp;  // < 0: none
   bool fast_math;
   bool wide_scale_copies;  // k % 256 == 0 and weights_sf 16-byte aligned: one copy per scale row and stage
+  bool narrow_mma;         // BF16 path, block_m 32 / 64: wgmmas as wide as the tile's rows (heuristics::fp4_narrow_mma)
   // Split K of the last round (see SplitPlan); split_round 0: off (no workspace).
   int split_round;      // the tiles of one round (the grid; tests force fewer)
   float* partials;      // [split_round units][kSlices * kRegs][consumer threads]: each split unit's accumulators
@@ -800,6 +802,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     // h100-2026-11-25-ab-fp4-early-inputs.json): T = 16-512 -2.5 to -8 % per replay for every MXFP4 / NVFP4 x FP8 /
     // FP4-token pair (in a graph -1 to -6 %, but NVFP4 T=512 +1-2 %), T=1 within +-2 %, 2048 within 2.5 %.
     constexpr bool kEarlyEpilogueInputs = kBlockM <= 16;
+    // BF16 path: wgmmas as wide as the tile's rows rounded up to 16 (an expert's tokens scatter around the mean: V4-Pro
+    // T=2048 puts ~32 rows in a 64-row block), not the whole block: the MMA is about half of a prefill stage.
+    constexpr bool kNarrowMma = kBlockM > 16;
     float col_f[kBlockM / 4];
     float col_w[kBlockM / 4];
     int src[combine_tile_iters<kBlockM, kBlockN, kNumConsumerThreads>()];
@@ -836,6 +841,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) acc[ls][i] = 0.0f;
     uint32_t a[8][4];  // the A fragments of one (128-K group, 64-row slice): 8 k16 steps
+    int live_cols = kBlockM;  // the BF16 wgmmas' N for this tile (set with its first stage)
     int prev_b = 0;
     uint8_t* bf = bf_tiles;
 
@@ -853,6 +859,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #endif
       if (kb == u.kb_begin) {
         t = tile_infos[stage];
+        live_cols = kNarrowMma && p.narrow_mma ? min(kBlockM, (t.rows + 15) / 16 * 16) : kBlockM;
 #ifdef MEGAMOE_TILE_TRACE
         if (ctid == 0 && trace_n < kTraceTiles) {
           trace_info[trace_n][0] = kIsL1 ? 0 : 1, trace_info[trace_n][1] = t.expert;
@@ -946,8 +953,23 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         }
         fence_fragment(a);
         ptx::wgmma_fence();
+        // Only the tile's live token columns, in steps of 16 (live_cols): the wgmma's time scales with N, and the
+        // columns past them stay zero (never stored). Bitwise the same products for the live columns.
+        auto issue = [&](auto width) {
 #pragma unroll
-        for (int s = 0; s < 8; ++s) Mma::run(acc[ls], a[s], desc_b[s]);
+          for (int s = 0; s < 8; ++s) ptx::WgmmaBF16RS<decltype(width)::value>::run(acc[ls], a[s], desc_b[s]);
+        };
+        if constexpr (kBlockM == 64) {
+          if (live_cols == 64) issue(std::integral_constant<int, 64>{});
+          else if (live_cols == 48) issue(std::integral_constant<int, 48>{});
+          else if (live_cols == 32) issue(std::integral_constant<int, 32>{});
+          else issue(std::integral_constant<int, 16>{});
+        } else if constexpr (kBlockM == 32) {
+          if (live_cols == 32) issue(std::integral_constant<int, 32>{});
+          else issue(std::integral_constant<int, 16>{});
+        } else {
+          issue(std::integral_constant<int, kBlockM>{});
+        }
         ptx::wgmma_commit();
       }
       }
