@@ -802,9 +802,6 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     // h100-2026-11-25-ab-fp4-early-inputs.json): T = 16-512 -2.5 to -8 % per replay for every MXFP4 / NVFP4 x FP8 /
     // FP4-token pair (in a graph -1 to -6 %, but NVFP4 T=512 +1-2 %), T=1 within +-2 %, 2048 within 2.5 %.
     constexpr bool kEarlyEpilogueInputs = kBlockM <= 16;
-    // BF16 path: wgmmas as wide as the tile's rows rounded up to 16 (an expert's tokens scatter around the mean: V4-Pro
-    // T=2048 puts ~32 rows in a 64-row block), not the whole block: the MMA is about half of a prefill stage.
-    constexpr bool kNarrowMma = kBlockM > 16;
     float col_f[kBlockM / 4];
     float col_w[kBlockM / 4];
     int src[combine_tile_iters<kBlockM, kBlockN, kNumConsumerThreads>()];
@@ -841,7 +838,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) acc[ls][i] = 0.0f;
     uint32_t a[8][4];  // the A fragments of one (128-K group, 64-row slice): 8 k16 steps
-    int live_cols = kBlockM;  // the BF16 wgmmas' N for this tile (set with its first stage)
+    int live_cols = kBlockM;  // the BF16 wgmmas' N for this tile (set with its first stage; heuristics::fp4_narrow_mma)
     int prev_b = 0;
     uint8_t* bf = bf_tiles;
 
@@ -859,7 +856,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #endif
       if (kb == u.kb_begin) {
         t = tile_infos[stage];
-        live_cols = kNarrowMma && p.narrow_mma ? min(kBlockM, (t.rows + 15) / 16 * 16) : kBlockM;
+        if constexpr (kBlockM > 16) live_cols = p.narrow_mma ? min(kBlockM, (t.rows + 15) / 16 * 16) : kBlockM;
 #ifdef MEGAMOE_TILE_TRACE
         if (ctid == 0 && trace_n < kTraceTiles) {
           trace_info[trace_n][0] = kIsL1 ? 0 : 1, trace_info[trace_n][1] = t.expert;
@@ -953,8 +950,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         }
         fence_fragment(a);
         ptx::wgmma_fence();
-        // Only the tile's live token columns, in steps of 16 (live_cols): the wgmma's time scales with N, and the
-        // columns past them stay zero (never stored). Bitwise the same products for the live columns.
+        // Only the tile's live token columns (live_cols: its rows rounded up to 16; 8 or 16 at block_m 16): the
+        // wgmma's time scales with N (an expert's rows scatter around the mean: V4-Pro T=2048 puts ~32 rows in a
+        // 64-row block), and the columns past them stay zero (never stored). The same products for the live columns.
         auto issue = [&](auto width) {
 #pragma unroll
           for (int s = 0; s < 8; ++s) ptx::WgmmaBF16RS<decltype(width)::value>::run(acc[ls], a[s], desc_b[s]);
@@ -968,7 +966,13 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           if (live_cols == 32) issue(std::integral_constant<int, 32>{});
           else issue(std::integral_constant<int, 16>{});
         } else {
-          issue(std::integral_constant<int, kBlockM>{});
+          // NVFP4 tokens only: with FP8 tokens m64n8 ran 2-7 % slower at T = 1-512 (MXFP4 and NVFP4 weights, both
+          // models), with NVFP4 tokens 1-8 % faster at 128-512 (H100, 2026-11-26, 2 rounds; docs/bench/
+          // h100-2026-11-26d-ab-fp4-n8-all-recipes.json; not explained). Not in the split L1 build with NVFP4 tokens,
+          // which then spilled 12 bytes. t.rows, not live_cols: one register fewer, for block_m 16's 104.
+          constexpr bool kNarrow8 = kRecipe == ActRecipe::kNVFP4 && !(kSplitK && kIsL1);
+          if (kNarrow8 && p.narrow_mma && t.rows <= 8) issue(std::integral_constant<int, 8>{});
+          else issue(std::integral_constant<int, kBlockM>{});
         }
         ptx::wgmma_commit();
       }

@@ -279,6 +279,17 @@ template <int N>
 struct WgmmaBF16RS;
 
 template <>
+struct WgmmaBF16RS<8> {  // a 16-token tile's live columns when its rows fit in 8 (FP4 kernels)
+  static constexpr int kNumRegs = 4;
+  __device__ __forceinline__ static void run(float* d, const uint32_t* a, uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\nwgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  }
+};
+
+template <>
 struct WgmmaBF16RS<16> {
   static constexpr int kNumRegs = 8;
   __device__ __forceinline__ static void run(float* d, const uint32_t* a, uint64_t desc_b) {
