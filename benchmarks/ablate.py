@@ -128,8 +128,8 @@ PATCHES = {
         ("            MmaFP8::run(part, a8[s], ptx::smem_desc_sw128(bf_desc_lo + (g * kBlockM * 128 + s * 32) / 16), s > 0);",
          "            part[s] = __uint_as_float(a8[s][0] ^ a8[s][1] ^ a8[s][2] ^ a8[s][3]) + (s > 0 ? part[s] : 0.0f);\n"
          "          for (int i = 4; i < kRegs; ++i) part[i] = part[i % 4];"),
-        ("        for (int s = 0; s < 8; ++s) Mma::run(acc[ls], a[s], desc_b[s]);",
-         "        for (int s = 0; s < 8; ++s) acc[ls][s] += __uint_as_float(a[s][0] ^ a[s][1] ^ a[s][2] ^ a[s][3] ^ uint32_t(desc_b[s]));"),
+        ("          for (int s = 0; s < 8; ++s) ptx::WgmmaBF16RS<decltype(width)::value>::run(acc[ls], a[s], desc_b[s]);",
+         "          for (int s = 0; s < 8; ++s) acc[ls][s] += __uint_as_float(a[s][0] ^ a[s][1] ^ a[s][2] ^ a[s][3] ^ uint32_t(desc_b[s]));"),
     ],
 }
 

@@ -5,8 +5,9 @@
 
 `save` runs each case (format:act_format:model:tokens; seeded inputs and layers, built the same way in every tree)
 and stores y; `check` reruns the stored cases in this tree and prints, per case, whether y is bitwise equal (exit
-status 1 if any differs). Tests compare against the reference within a tolerance; this says that a change meant to
-keep every operation (the same values in the same order) did.
+status 1 if any differs or holds a NaN: y starts as NaN, so two trees that never wrote it would otherwise agree).
+Tests compare against the reference within a tolerance; this says that a change meant to keep every operation (the
+same values in the same order) did.
 """
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def main() -> int:
     for c, y0 in saved.items():
         y = run_case(c)
         same = torch.equal(y.view(torch.int16), y0.view(torch.int16))
-        bad += not same
-        print(f"{c}: {'bitwise equal' if same else 'DIFFERENT'} (nan: {int(y.isnan().sum())})")
+        nan = int(y.isnan().sum())  # the inputs are finite: a NaN is an output the op never wrote
+        bad += not same or nan > 0
+        print(f"{c}: {'bitwise equal' if same else 'DIFFERENT'}{'' if nan == 0 else f', {nan} NaN (FAIL)'}")
     return 1 if bad else 0
 
 

@@ -968,9 +968,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         } else {
           // NVFP4 tokens only: with FP8 tokens m64n8 ran 2-7 % slower at T = 1-512 (MXFP4 and NVFP4 weights, both
           // models), with NVFP4 tokens 1-8 % faster at 128-512 (H100, 2026-11-26, 2 rounds; docs/bench/
-          // h100-2026-11-26d-ab-fp4-n8-all-recipes.json; not explained). Not in the split L1 build with NVFP4 tokens,
-          // which then spilled 12 bytes. t.rows, not live_cols: one register fewer, for block_m 16's 104.
-          constexpr bool kNarrow8 = kRecipe == ActRecipe::kNVFP4 && !(kSplitK && kIsL1);
+          // h100-2026-11-26d-ab-fp4-n8-all-recipes.json; not explained). Not in the split builds: L1 then spilled 12
+          // bytes, and in L2 ptxas serialised every wgmma (C7520: an injected warpgroup arrive in a divergent path).
+          // t.rows, not live_cols: one register fewer, for block_m 16's 104.
+          constexpr bool kNarrow8 = kRecipe == ActRecipe::kNVFP4 && !kSplitK;
           if (kNarrow8 && p.narrow_mma && t.rows <= 8) issue(std::integral_constant<int, 8>{});
           else issue(std::integral_constant<int, kBlockM>{});
         }
