@@ -127,7 +127,8 @@ void launch_nvfp4_requant(const float* scratch, uint8_t* buffer, const layout::B
                           int num_sms, cudaStream_t stream) {
   const int blocks16 = static_cast<int>(layout.intermediate / 16);
   const int threads = std::min((blocks16 + 31) / 32 * 32, kRequantMaxThreads);
-  // A CTA per row (rows past the grid loop); enough CTAs to fill the SMs at prefill sizes.
+  // A CTA per row (rows past the grid loop), at most 2048 threads' worth per SM. NOTES: at 50 registers fewer are
+  // resident (~10 CTAs of 128 threads), so large calls run a second wave; not measured against a resident-only grid.
   const int ctas = std::max(1, std::min(max_rows, num_sms * (2048 / threads)));
   launch_pdl(nvfp4_requant_kernel, dim3(ctas), dim3(threads), 0, stream, scratch, buffer, layout);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());

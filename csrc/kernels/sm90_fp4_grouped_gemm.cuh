@@ -118,7 +118,7 @@ struct Params {
   float activation_clamp;  // < 0: none
   bool fast_math;
   bool wide_scale_copies;  // k % 256 == 0 and weights_sf 16-byte aligned: one copy per scale row and stage
-  bool narrow_mma;         // BF16 path, block_m 32 / 64: wgmmas as wide as the tile's rows (heuristics::fp4_narrow_mma)
+  bool narrow_mma;         // BF16 path: wgmmas only as wide as the tile's rows (heuristics::fp4_narrow_mma)
   // Split K of the last round (see SplitPlan); split_round 0: off (no workspace).
   int split_round;      // the tiles of one round (the grid; tests force fewer)
   float* partials;      // [split_round units][kSlices * kRegs][consumer threads]: each split unit's accumulators
