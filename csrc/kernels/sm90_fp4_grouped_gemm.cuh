@@ -856,7 +856,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #endif
       if (kb == u.kb_begin) {
         t = tile_infos[stage];
-        if constexpr (kBlockM > 16) live_cols = p.narrow_mma ? min(kBlockM, (t.rows + 15) / 16 * 16) : kBlockM;
+        if constexpr (kBlockM > 16) live_cols = p.narrow_mma ? min(kBlockM, max(16, (t.rows + 7) / 8 * 8)) : kBlockM;
 #ifdef MEGAMOE_TILE_TRACE
         if (ctid == 0 && trace_n < kTraceTiles) {
           trace_info[trace_n][0] = kIsL1 ? 0 : 1, trace_info[trace_n][1] = t.expert;
@@ -950,7 +950,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         }
         fence_fragment(a);
         ptx::wgmma_fence();
-        // Only the tile's live token columns (live_cols: its rows rounded up to 16; 8 or 16 at block_m 16): the
+        // Only the tile's live token columns (live_cols: its rows rounded up to 8, at least 16; 8 or 16 at block_m 16): the
         // wgmma's time scales with N (an expert's rows scatter around the mean: V4-Pro T=2048 puts ~32 rows in a
         // 64-row block), and the columns past them stay zero (never stored). The same products for the live columns.
         auto issue = [&](auto width) {
@@ -958,12 +958,21 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           for (int s = 0; s < 8; ++s) ptx::WgmmaBF16RS<decltype(width)::value>::run(acc[ls], a[s], desc_b[s]);
         };
         if constexpr (kBlockM == 64) {
-          if (live_cols == 64) issue(std::integral_constant<int, 64>{});
-          else if (live_cols == 48) issue(std::integral_constant<int, 48>{});
-          else if (live_cols == 32) issue(std::integral_constant<int, 32>{});
-          else issue(std::integral_constant<int, 16>{});
+          if (live_cols > 48) {
+            if (live_cols == 64) issue(std::integral_constant<int, 64>{});
+            else issue(std::integral_constant<int, 56>{});
+          } else if (live_cols > 32) {
+            if (live_cols == 48) issue(std::integral_constant<int, 48>{});
+            else issue(std::integral_constant<int, 40>{});
+          } else if (live_cols > 16) {
+            if (live_cols == 32) issue(std::integral_constant<int, 32>{});
+            else issue(std::integral_constant<int, 24>{});
+          } else {
+            issue(std::integral_constant<int, 16>{});
+          }
         } else if constexpr (kBlockM == 32) {
           if (live_cols == 32) issue(std::integral_constant<int, 32>{});
+          else if (live_cols == 24) issue(std::integral_constant<int, 24>{});
           else issue(std::integral_constant<int, 16>{});
         } else {
           // NVFP4 tokens only: with FP8 tokens m64n8 ran 2-7 % slower at T = 1-512 (MXFP4 and NVFP4 weights, both
