@@ -204,6 +204,31 @@ def test_narrow_mma_equals_full_width(weight_format, act_format, block_m, monkey
     assert rel_err(narrow, case.ref) <= TOL
 
 
+@pytest.mark.parametrize("hidden", [384, 256])
+def test_wide_tail_equals_no_tail(hidden, monkeypatch):
+    """The wide-tail build (block_m 16, NVFP4 tokens, no split; by default from 10 expected rows per expert): an
+    expert's last token block takes up to 8 rows past 16, one m64n24 tile instead of a second tile.
+    MEGAMOE_FP4_WIDE_TAIL=1 / =0 forces it on / off. Each output's products and K order are the same, so the outputs are
+    bitwise equal, on poisoned outputs, for experts whose last block is narrow (1-8 rows: m64n8), 9-16 rows, wide
+    (17-24 rows past the full blocks) or several blocks deep; hidden 256 runs one 256-K stage per L1 tile, 384 a
+    partial last stage."""
+    rows = [1, 8, 9, 15, 16, 17, 20, 23, 24, 25, 31, 32, 33, 40, 41, 47, 48, 49, 56, 57, 0, 12]
+    e, i, k, t = len(rows), 256, 1, sum(rows)
+    case = make_case(e, hidden, i, k, t, "nvfp4", "fp4", device="cuda", seed=401 + hidden, with_ref=False)
+    gen = torch.Generator().manual_seed(402 + hidden)
+    experts = torch.repeat_interleave(torch.arange(e), torch.tensor(rows))[torch.randperm(t, generator=gen)]
+    case.topk_idx = experts.view(t, 1).to(device="cuda", dtype=case.topk_idx.dtype)
+    case.ref = case.reference()
+    monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", "16")
+    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "0")
+    monkeypatch.setenv("MEGAMOE_FP4_WIDE_TAIL", "0")
+    narrow = run_poisoned(case)
+    monkeypatch.setenv("MEGAMOE_FP4_WIDE_TAIL", "1")
+    wide = run_poisoned(case)
+    assert torch.equal(wide, narrow)
+    assert rel_err(wide, case.ref) <= TOL
+
+
 def fp4_split_plans(case, e, h, i, block_m, round_):
     """Python mirror of the kernel's SplitPlan (sm90_fp4_grouped_gemm.cuh) for L1 and L2: (whole, splits) each."""
     idx = case.topk_idx.flatten()

@@ -187,28 +187,58 @@ inline bool fp4_narrow_mma() {
 // ------------------------------------------------------------------------------------------------
 // FP4 grouped GEMM (sm90_fp4_grouped_gemm): weights decoded on chip to bf16, 256 K per stage.
 // ------------------------------------------------------------------------------------------------
-// One stage: packed weights 256 rows x 128 bytes, the token tile (E4M3: block_m x 256 bytes, E2M1:
-// block_m x 128), weight scales 256 rows x 16 bytes and token scales (at most 16 blocks x block_m),
-// each piece rounded up to 1024 bytes (TMA 128B-swizzle alignment).
+// One stage: packed weights 256 rows x 128 bytes, the token tile (E4M3: cols x 256 bytes, E2M1: cols x 128; cols =
+// fp4_tile_cols), weight scales 256 rows x 16 bytes and token scales (at most 16 blocks x cols), each piece rounded up
+// to 1024 bytes (TMA 128B-swizzle alignment).
 constexpr int fp4_round_1k(int b) { return (b + 1023) / 1024 * 1024; }
+// FP4 wide last block: at block_m 16 with NVFP4 tokens and 10-13 expected rows per expert, an expert's last token
+// block holds up to 16 + 8 rows (routing tail_rows, as the FP8 kernel's wide block at 64), one m64n24 tile where a
+// second tile would decode the same 256 weight rows again for 1-8 rows; a build of its own (the kernel's kWideTail:
+// tiles of 24 token columns, early epilogue inputs in shared memory), so that the other sizes keep theirs.
+// NOTES: block_m 16 serves up to 13 expected rows, and the rows scatter around the mean: at V4-Flash T=512 (12 rows)
+// ~13 % of the experts overflow 16. H100 A/B of the tail for every recipe at block_m 16 (2026-11-26, 2 rounds, time over
+// main's per replay; docs/bench/h100-2026-11-26e-ab-fp4-wide-tail-all-recipes.json): NVFP4 w4a4 V4-Flash T=512 0.917,
+// V4-Pro 768 0.944, but V4-Pro 512 (8 rows) 1.048 and T = 16 / 128 1.02-1.05 (its tiles hold 4 stages, not 5); with
+// FP8 tokens (two stage bodies: a width branch inside the stage made ptxas serialise the wgmmas, C7520) T = 1-128
+// 1.07-1.22 and V4-Pro 512 1.03-1.12: no tail there. MEGAMOE_FP4_WIDE_TAIL=0 / =1 (read per call; tests) turns it
+// off / on wherever the build exists (block_m 16, NVFP4 tokens, no split).
+constexpr int kFp4TailRows = 8;
+constexpr int fp4_tile_cols(int block_m, bool wide_tail) { return block_m + (wide_tail ? kFp4TailRows : 0); }
+inline int fp4_tail_rows(int block_m, int64_t expected_rows, bool nvfp4_tokens, bool split_k) {
+  if (block_m != 16 || !nvfp4_tokens || split_k) return 0;
+  const char* env = std::getenv("MEGAMOE_FP4_WIDE_TAIL");
+  if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1' ? kFp4TailRows : 0;
+  return expected_rows >= 10 ? kFp4TailRows : 0;
+}
+// Expected rows per touched expert (token_block_for's argument for the FP4 kernels).
+inline int64_t fp4_expected_rows(int64_t num_tokens, int64_t top_k, int64_t num_experts) {
+  const int64_t slots = num_tokens * top_k;
+  return slots <= num_experts ? 1 : (slots + num_experts - 1) / num_experts;
+}
 // Token scales per stage: one row per 16- or 32-K block (16 rows for NVFP4 activations, 8 otherwise) of
-// block_m + 4 bytes (the 4-byte aligned window cp.async copies around the tile's first row).
-constexpr int fp4_act_sf_bytes(int block_m, bool act_fp4) { return fp4_round_1k((act_fp4 ? 16 : 8) * (block_m + 4)); }
-constexpr int fp4_stage_bytes(int block_m, bool act_fp4) {
-  return 256 * 128 + fp4_round_1k(block_m * (act_fp4 ? 128 : 256)) + 256 * 16 + fp4_act_sf_bytes(block_m, act_fp4);
+// cols + 4 bytes (the 4-byte aligned window cp.async copies around the tile's first row).
+constexpr int fp4_act_sf_bytes(int cols, bool act_fp4) { return fp4_round_1k((act_fp4 ? 16 : 8) * (cols + 4)); }
+constexpr int fp4_stage_bytes(int cols, bool act_fp4) {
+  return 256 * 128 + fp4_round_1k(cols * (act_fp4 ? 128 : 256)) + 256 * 16 + fp4_act_sf_bytes(cols, act_fp4);
 }
 // Converted bf16 token tiles in flight (the converters run at most this many minus one stages ahead).
 // NOTES: three for block_m 16 (H100 A/B, 2026-11-22: 0-7 % faster at T = 16-512 than two, although the third
 // tile costs a weight stage, 5 -> 4); two otherwise, where a third would cost a stage of 3-4.
 constexpr int fp4_num_bf_tiles(int block_m) { return block_m == 16 ? 3 : 2; }
-// Fixed part: the bf16 token tiles (block_m x 256 K x 2 bytes each; the epilogue reuses them), barriers,
-// the FP8-wgmma path's fold tables, alignment slack.
-constexpr int fp4_fixed_bytes(int block_m) { return fp4_num_bf_tiles(block_m) * block_m * 512 + 1024 + 256 + 256; }
-// Deepest pipeline in the 227 KB a block may use: block_m 16: 4 stages (E4M3 tokens) or 5 (E2M1 tokens);
-// 32: 4; 64: 3.
-constexpr int fp4_num_stages_for(int block_m, bool act_fp4) {
-  return (227 * 1024 - fp4_fixed_bytes(block_m)) / fp4_stage_bytes(block_m, act_fp4);
+// Fixed part: the bf16 token tiles (cols x 256 K x 2 bytes each; the epilogue reuses them), barriers,
+// the FP8-wgmma path's fold tables, the early epilogue inputs, alignment slack.
+constexpr int fp4_fixed_bytes(int block_m, int cols) {
+  return fp4_num_bf_tiles(block_m) * cols * 512 + 1024 + 256 + 256 + 512;
 }
+// Deepest pipeline in the 227 KB a block may use: block_m 16: 4 stages (E4M3 tokens) or 5 (E2M1 tokens; 4 with the
+// wide last block's 24 columns); 32: 4; 64: 3.
+constexpr int fp4_num_stages_for(int block_m, bool act_fp4, int cols) {
+  return (227 * 1024 - fp4_fixed_bytes(block_m, cols)) / fp4_stage_bytes(cols, act_fp4);
+}
+static_assert(fp4_num_stages_for(16, false, 16) == 4 && fp4_num_stages_for(16, true, 16) == 5 &&
+                  fp4_num_stages_for(16, true, 24) == 4 &&
+                  fp4_num_stages_for(32, true, 32) == 4 && fp4_num_stages_for(64, false, 64) == 3,
+              "FP4 stage counts");
 
 // Split K of the last round for one FP4 grouped GEMM (sm90_fp4_grouped_gemm.cuh, SplitPlan): the tiles of one round
 // (the grid: one CTA per SM), or 0 for the kernel without it. When the last of two or three rounds of tiles holds at
@@ -242,11 +272,10 @@ inline int fp4_split_round(int64_t num_tokens, int64_t top_k, int64_t num_expert
 
 inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts,
                                                  int64_t hidden, int64_t intermediate, bool act_fp4) {
-  const int64_t slots = num_tokens * top_k;
   GroupedGemmConfig c;
-  c.block_m = forced_block_m("MEGAMOE_FP4_BLOCK_M",
-                             token_block_for(slots <= num_experts ? 1 : (slots + num_experts - 1) / num_experts, 64), 64);
-  c.num_stages = fp4_num_stages_for(c.block_m, act_fp4);
+  const int64_t rows = fp4_expected_rows(num_tokens, top_k, num_experts);
+  c.block_m = forced_block_m("MEGAMOE_FP4_BLOCK_M", token_block_for(rows, 64), 64);
+  c.num_stages = fp4_num_stages_for(c.block_m, act_fp4, c.block_m);
   c.fused = false;  // the FP4 kernels run L1 and L2 as two launches
   c.pairs = false;
   print_config_once(act_fp4 ? "FP4 (FP4 tokens)" : "FP4 (FP8 tokens)", num_tokens, top_k, num_experts, hidden,

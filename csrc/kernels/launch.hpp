@@ -19,7 +19,7 @@ void launch_pre_dispatch(const void* x, const void* topk_idx, bool topk_idx_is_i
 
 // Routing: (EP: barrier 0, then) per-expert row lists (pool_src) over every rank's slots, offsets,
 // token-block offsets for `block_m` (an expert's last block may hold `tail_rows` more: the GEMM's tiles must then
-// hold block_m + tail_rows token columns, heuristics::fp8_tile_cols; the FP4 GEMM takes 0), recv_stats.
+// hold block_m + tail_rows token columns: heuristics::fp8_tile_cols, fp4_tile_cols), recv_stats.
 void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens, int block_m,
                     int* recv_stats, cudaStream_t stream, int tail_rows = 0);
 
@@ -61,6 +61,7 @@ CUtensorMap make_tensor_map_2d(const void* base, uint64_t inner, uint64_t outer,
 struct Fp4GroupedGemmArgs {
   CUtensorMap tmap_weights;        // packed E2M1 [E * n, k / 2] bytes, box {128, 256}, 128B swizzle
   CUtensorMap tmap_acts;           // E4M3 [pool_rows, k] or packed E2M1 [pool_rows, k / 2], box {128, block_m}, 128B
+  CUtensorMap tmap_acts_tail;      // the same, box {128, heuristics::kFp4TailRows}: a wide last block's rows past block_m
   const uint8_t* weights_sf;       // [E * n, k / 32] UE8M0 (MXFP4) or [E * n, k / 16] UE4M3 (NVFP4)
   const float* weights_global_sf;  // [E] (NVFP4) or nullptr
   const uint8_t* acts_sf;          // token scales [k / blk, pool_rows] bytes (K-block-major)
@@ -78,6 +79,9 @@ struct Fp4GroupedGemmArgs {
   int split_round = 0;
   float* partials = nullptr;
   int* split_counters = nullptr;
+  // The routing's tail rows (heuristics::fp4_tail_rows): > 0 launches the wide-tail build (an expert's last block of up
+  // to block_m + tail_rows rows). It must be what launch_routing got, for both GEMMs.
+  int tail_rows = 0;
 };
 void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
                              int block_m, int num_sms, cudaStream_t stream);

@@ -164,20 +164,22 @@ __device__ __forceinline__ SplitUnit split_unit(int unit, const SplitPlan& plan,
   return u;
 }
 
-template <int kBlockM, bool kActFP4>
+// kCols: token columns of the widest tile (block_m, or block_m + the wide last block's tail rows:
+// heuristics::fp4_tile_cols).
+template <int kBlockM, int kCols, bool kActFP4>
 struct Smem {
   static constexpr int kNumBfTiles = heuristics::fp4_num_bf_tiles(kBlockM);
   static constexpr int kTileA = kBlockN * kBlockK / 2;
-  static constexpr int kTileB = heuristics::fp4_round_1k(kBlockM * (kActFP4 ? 128 : 256));
+  static constexpr int kTileB = heuristics::fp4_round_1k(kCols * (kActFP4 ? 128 : 256));
   static constexpr int kTileSW = kBlockN * kScaleWordsBytes;
-  static constexpr int kSARow = kBlockM + 4;  // bytes per token-scale row (4-byte aligned window)
-  static constexpr int kTileSA = heuristics::fp4_act_sf_bytes(kBlockM, kActFP4);
+  static constexpr int kSARow = kCols + 4;  // bytes per token-scale row (4-byte aligned window)
+  static constexpr int kTileSA = heuristics::fp4_act_sf_bytes(kCols, kActFP4);
   static constexpr int kStage = kTileA + kTileB + kTileSW + kTileSA;
-  static constexpr int kTileBF = kBlockM * kBlockK * 2;  // one bf16 token tile
+  static constexpr int kTileBF = kCols * kBlockK * 2;  // one bf16 token tile
   template <int kStages>
   static constexpr int bytes() {
     return 1024 /* alignment slack */ + kStages * kStage + kNumBfTiles * kTileBF + 256 /* barriers */ +
-           256 /* FP8-wgmma path: fold tables */;
+           256 /* FP8-wgmma path: fold tables */ + 512 /* early epilogue inputs */;
   }
 };
 
@@ -450,15 +452,23 @@ static __global__ void fp4_trace_print_kernel(int gemm, int num_ctas) {
 }
 #endif
 
-template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma, bool kSplitK>
+template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma, bool kSplitK,
+          bool kWideTail>
 __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     sm90_fp4_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
-                                 const __grid_constant__ CUtensorMap tmap_acts, Params p) {
+                                 const __grid_constant__ CUtensorMap tmap_acts,
+                                 const __grid_constant__ CUtensorMap tmap_acts_tail, Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
-  using S = Smem<kBlockM, kActFP4>;
+  // Token columns of the widest tile: in the wide-tail build an expert's last block may hold kTail rows past block_m
+  // (routing tail_rows, heuristics::fp4_tail_rows; tmap_acts_tail loads them).
+  constexpr int kCols = heuristics::fp4_tile_cols(kBlockM, kWideTail);
+  constexpr int kTail = kCols - kBlockM;
+  static_assert(!kWideTail || (kBlockM == 16 && kRecipe == ActRecipe::kNVFP4 && !kFP8Mma && !kSplitK),
+                "the wide-tail build: block_m 16, NVFP4 tokens on the BF16 path, no split");
+  using S = Smem<kBlockM, kCols, kActFP4>;
   constexpr int kNumBfTiles = S::kNumBfTiles;
-  using Mma = ptx::WgmmaBF16RS<kBlockM>;
+  using Mma = ptx::WgmmaBF16RS<kCols>;
   constexpr int kRegs = Mma::kNumRegs;
   using R = Roles<kBlockM>;
   constexpr int kNumConsumerThreads = R::kConsumerThreads;
@@ -468,9 +478,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   constexpr int kABlocks = kBlockK / kABlk;                       // token scale rows per stage
   constexpr int kWWords = kBlockK / kWBlk / 4;                    // weight scale words per row per stage
   static_assert(kBlockM % 16 == 0 && kBlockM <= 64, "token block must be 16, 32 or 64");
+  static_assert(kCols % 8 == 0 && kCols <= 64, "tile columns");
   static_assert(!kFP8Mma || !kNV, "the FP8-wgmma path is for MXFP4 weights (NVFP4 scales are not powers of two)");
-  using MmaFP8 = ptx::WgmmaFP8RS<kBlockM>;
-  static_assert(MmaFP8::kNumRegs == kRegs, "one accumulator layout for both paths");
+  using MmaFP8 = ptx::WgmmaFP8RS<kFP8Mma ? kCols : 16>;
+  static_assert(!kFP8Mma || MmaFP8::kNumRegs == kRegs, "one accumulator layout for both paths");
 
   extern __shared__ uint8_t smem_raw[];
   // Offset arithmetic on the __shared__ array (not an integer round trip) keeps the address space known to
@@ -490,7 +501,16 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   // [2 groups][kBlockM][128 bytes] then the token factors float32 [2 groups][kBlockM].
   uint2* fold_tables = reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(full) + 256);
   static_assert(kNumFoldTables * 8 <= 256, "fold table area of Smem::bytes");
-  static_assert(2 * kBlockM * 128 + 2 * kBlockM * 4 <= S::kTileBF, "E4M3 token tile and factors in a ring tile");
+  // The early epilogue inputs of the current tile (block_m 16; see issue_early_inputs), after the fold tables.
+  struct EarlyInputs {
+    float* g;  // [kCols] the rows' NVFP4 token global scales
+    float* w;  // [kCols] L1: the rows' top-k weights
+    int* src;  // [kCols] L2: the rows' pool_src entries (-1 past the rows)
+  };
+  float* early_base = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(full) + 512);
+  const EarlyInputs early_in{early_base, early_base + kCols, reinterpret_cast<int*>(early_base + 2 * kCols)};
+  static_assert(kBlockM > 16 || 3 * kCols * 4 <= 512, "early input area of Smem::bytes (block_m 16 only)");
+  static_assert(2 * kCols * 128 + 2 * kCols * 4 <= S::kTileBF, "E4M3 token tile and factors in a ring tile");
   auto tile_a = [&](int s) { return stages + s * S::kStage; };
   auto tile_b = [&](int s) { return stages + s * S::kStage + S::kTileA; };
   auto tile_sw = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB; };
@@ -545,6 +565,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       if (lane == 0) {
         ptx::prefetch_tensormap(&tmap_weights);
         ptx::prefetch_tensormap(&tmap_acts);
+        if constexpr (kTail > 0) ptx::prefetch_tensormap(&tmap_acts_tail);
       }
       int stage = 0;
       uint32_t phase = 0;
@@ -561,10 +582,12 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #endif
         return decode_tile_warp(tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
       };
-      auto stage_bytes = [&](int kb) {
+      // A wide tile (rows > block_m: an expert's last block with tail rows) loads kTail more token rows.
+      auto stage_bytes = [&](int kb, int rows) {
+        const int cols = kTail > 0 && rows > kBlockM ? kCols : kBlockM;
         uint32_t bytes = S::kTileA;
-        if constexpr (kActFP4) bytes += kBlockM * 128;
-        else bytes += ((kb + 1) * kBlockK <= p.k ? 2 : 1) * kBlockM * 128;
+        if constexpr (kActFP4) bytes += cols * 128;
+        else bytes += ((kb + 1) * kBlockK <= p.k ? 2 : 1) * cols * 128;
         return bytes;
       };
       TileInfo first{};
@@ -574,7 +597,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           tile_infos[0] = first;
           for (int i = 0; i < early; ++i) {
             const int kb = first_unit.kb_begin + i;
-            ptx::mbarrier_arrive_expect_tx(&full[i], stage_bytes(kb));
+            ptx::mbarrier_arrive_expect_tx(&full[i], stage_bytes(kb, first.rows));
             ptx::tma_load_2d(tile_a(i), &tmap_weights, &full[i], kb * (kBlockK / 2), first.expert * p.n + first.n_block * kBlockN);
           }
 #ifdef MEGAMOE_TILE_TRACE
@@ -595,18 +618,30 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           if (!is_first || kb - u.kb_begin >= early) {
             ptx::mbarrier_wait(&empty[stage], phase ^ 1);
             if (kb == u.kb_begin) tile_infos[stage] = t;
-            ptx::mbarrier_arrive_expect_tx(&full[stage], stage_bytes(kb));
+            ptx::mbarrier_arrive_expect_tx(&full[stage], stage_bytes(kb, t.rows));
             ptx::tma_load_2d(tile_a(stage), &tmap_weights, &full[stage], kb * (kBlockK / 2), weight_row);
 #ifdef MEGAMOE_TILE_TRACE
             if (kb == u.kb_begin && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
 #endif
           }
+          // Token rows [row0, row0 + block_m) and, in a wide tile, the tail rows after them (1024-byte aligned:
+          // the 128B swizzle phase of a row is its index mod 8 either way). E4M3 tokens: two 128-K groups of kCols rows.
+          const bool wide = kTail > 0 && t.rows > kBlockM;
           if constexpr (kActFP4) {
             ptx::tma_load_2d(tile_b(stage), &tmap_acts, &full[stage], kb * (kBlockK / 2), t.row0);
+            if (wide)
+              ptx::tma_load_2d(tile_b(stage) + kBlockM * 128, &tmap_acts_tail, &full[stage], kb * (kBlockK / 2),
+                               t.row0 + kBlockM);
           } else {
             ptx::tma_load_2d(tile_b(stage), &tmap_acts, &full[stage], kb * kBlockK, t.row0);
-            if (full_stage)
-              ptx::tma_load_2d(tile_b(stage) + kBlockM * 128, &tmap_acts, &full[stage], kb * kBlockK + 128, t.row0);
+            if (wide)
+              ptx::tma_load_2d(tile_b(stage) + kBlockM * 128, &tmap_acts_tail, &full[stage], kb * kBlockK, t.row0 + kBlockM);
+            if (full_stage) {
+              ptx::tma_load_2d(tile_b(stage) + kCols * 128, &tmap_acts, &full[stage], kb * kBlockK + 128, t.row0);
+              if (wide)
+                ptx::tma_load_2d(tile_b(stage) + (kCols + kBlockM) * 128, &tmap_acts_tail, &full[stage],
+                                 kb * kBlockK + 128, t.row0 + kBlockM);
+            }
           }
           if (++stage == kNumStages) stage = 0, phase ^= 1;
         }
@@ -674,11 +709,13 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           uint8_t* dst_a = tile_sa(stage);
           constexpr int kSAWords = S::kSARow / 4;
           const int first_word_row = t.row0 & ~3;
+          // The window's words this tile's converters read (their units cover its rows rounded up to 4).
+          const int words = kTail > 0 ? ((t.row0 & 3) + ((t.rows + 3) & ~3) + 3) / 4 : kSAWords;
 #pragma unroll 1
           for (int i = lane; i < kABlocks * kSAWords; i += 32) {
             const int r = i / kSAWords, word = i % kSAWords;
             const int blk = kb * kABlocks + r, row = first_word_row + 4 * word;
-            if (blk < act_blocks && row < pool_rows)
+            if (word < words && blk < act_blocks && row < pool_rows)
               ptx::cp_async_4(dst_a + r * S::kSARow + 4 * word, p.acts_sf + blk * pool_rows + row);
           }
           ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
@@ -694,9 +731,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       uint32_t phase = 0, bphase = 0;
       for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
         const SplitUnit su = split_unit<kSplitK>(unit, plan, num_kblocks);
-        int row0 = 0, units = kBlockM * 8;
+        int row0 = 0, units = kCols * 8;
 #ifdef MEGAMOE_POISON_STALE_COLUMNS
-        int rows = kBlockM;
+        int rows = kCols;
 #endif
         for (int kb = su.kb_begin; kb < su.kb_end; ++kb) {
           const int groups = (kb + 1) * kBlockK <= p.k ? 2 : 1;  // 128-K groups in this stage
@@ -707,7 +744,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             row0 = tile_infos[stage].row0;
             // Only the tile's own tokens: the columns past them are never stored, so their stale contents (the
             // wgmma's columns are independent) do not matter. Whole warps, as fold_token_unit shuffles across the
-            // warp (kBlockM * 8 is a multiple of 32).
+            // warp (kCols * 8 is a multiple of 32).
             // NOTES: the converters bound the prefill stages: without any conversion (ablate.py fp4-no-convert)
             // V4-Flash T=2048 ran 18-23 % faster (H100, 2026-11-25), and its 48 rows per expert fill 64-row tiles
             // to ~75 %.
@@ -724,11 +761,11 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             constexpr bool live = true;
 #endif
             if constexpr (kFP8Mma) {
-              fold_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage) + (row0 & 3), bf,
-                                                reinterpret_cast<float*>(bf + 2 * kBlockM * 128), fold_tables, n, g,
-                                                uq, g < groups && live);
+              fold_token_unit<kCols, kRecipe>(tile_b(stage), tile_sa(stage) + (row0 & 3), bf,
+                                              reinterpret_cast<float*>(bf + 2 * kCols * 128), fold_tables, n, g, uq,
+                                              g < groups && live);
             } else if (g < groups && live) {
-              convert_token_unit<kBlockM, kRecipe>(tile_b(stage), tile_sa(stage) + (row0 & 3), bf, n, g, uq);
+              convert_token_unit<kCols, kRecipe>(tile_b(stage), tile_sa(stage) + (row0 & 3), bf, n, g, uq);
             }
           }
 #ifdef MEGAMOE_POISON_STALE_COLUMNS
@@ -737,14 +774,14 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           // GPU tests fail if any stored value depends on those columns (the stale-contents argument above).
           {
             constexpr int kRowBlocks = kFP8Mma ? 2 : 4;  // [2 groups] of E4M3 rows / [4 atoms] of bf16 rows
-            for (int c = ctid; c < kRowBlocks * (kBlockM - rows) * 8; c += R::kConverterWarps * 32) {
-              const int blk = c / ((kBlockM - rows) * 8), n = rows + (c / 8) % (kBlockM - rows);
-              reinterpret_cast<uint4*>(bf + (blk * kBlockM + n) * 128)[c % 8] = make_uint4(~0u, ~0u, ~0u, ~0u);
+            for (int c = ctid; c < kRowBlocks * (kCols - rows) * 8; c += R::kConverterWarps * 32) {
+              const int blk = c / ((kCols - rows) * 8), n = rows + (c / 8) % (kCols - rows);
+              reinterpret_cast<uint4*>(bf + (blk * kCols + n) * 128)[c % 8] = make_uint4(~0u, ~0u, ~0u, ~0u);
             }
             if constexpr (kFP8Mma)
-              for (int c = ctid; c < 2 * (kBlockM - rows); c += R::kConverterWarps * 32)
-                reinterpret_cast<uint32_t*>(bf + 2 * kBlockM * 128)[(c / (kBlockM - rows)) * kBlockM + rows +
-                                                                     c % (kBlockM - rows)] = ~0u;
+              for (int c = ctid; c < 2 * (kCols - rows); c += R::kConverterWarps * 32)
+                reinterpret_cast<uint32_t*>(bf + 2 * kCols * 128)[(c / (kCols - rows)) * kCols + rows +
+                                                                   c % (kCols - rows)] = ~0u;
           }
 #endif
           ptx::fence_proxy_async_shared();  // generic-proxy writes -> the wgmmas (async proxy)
@@ -796,15 +833,20 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     // The epilogue's inputs (final: the weights' scales, and outputs of earlier kernels, which the consumers waited for
     // at their start): the float32 factors (the expert's NVFP4 weight global scale x the rows' NVFP4 token global
     // scales), L1 the rows' top-k weights, L2 the rows' pool_src entries. At decode (block_m 16: 4 + 4 registers in L1,
-    // 4 + 1 in L2) they load with the tile's first stage, so the epilogue does not wait for them; wider tiles load them
-    // in the epilogue, each where it is used (registers).
+    // 4 + 1 in L2) they load with the tile's first stage, so the epilogue does not wait for them; in the wide-tail
+    // build by cp.async into `early_in` (issue_early_inputs; the expert's weight global scale into a register), read
+    // into the registers below at the epilogue's start. Wider tiles load them in the epilogue, each where it is used
+    // (registers).
     // NOTES: as the FP8 kernel (3cd2071). H100 A/B, V4-Flash, 2 rounds (docs/bench/
     // h100-2026-11-25-ab-fp4-early-inputs.json): T = 16-512 -2.5 to -8 % per replay for every MXFP4 / NVFP4 x FP8 /
-    // FP4-token pair (in a graph -1 to -6 %, but NVFP4 T=512 +1-2 %), T=1 within +-2 %, 2048 within 2.5 %.
+    // FP4-token pair (in a graph -1 to -6 %, but NVFP4 T=512 +1-2 %), T=1 within +-2 %, 2048 within 2.5 %. In the
+    // wide-tail build (24 columns) registers held through the main loop made ptxas spill 88 bytes in L1.
     constexpr bool kEarlyEpilogueInputs = kBlockM <= 16;
-    float col_f[kBlockM / 4];
-    float col_w[kBlockM / 4];
-    int src[combine_tile_iters<kBlockM, kBlockN, kNumConsumerThreads>()];
+    constexpr bool kEarlyInSmem = kWideTail;
+    float early_gw = 1.0f;  // the expert's weight global scale (early inputs)
+    float col_f[kCols / 4];
+    float col_w[kCols / 4];
+    int src[combine_tile_iters<kCols, kBlockN, kNumConsumerThreads>()];
     // Every load issues before the first product waits for one: the token scale is loaded outside the product's
     // condition (inside it ptxas branched per row, and each row's product waited for its load before the next load
     // issued: 1 + block_m / 4 round trips in a row with NVFP4 weights and tokens). The products are taken here, not
@@ -813,22 +855,56 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     auto load_factors = [&](const TileInfo& ti) {
       const float gw = p.weights_global_sf != nullptr ? __ldg(p.weights_global_sf + ti.expert) : 1.0f;
 #pragma unroll
-      for (int j = 0; j < kBlockM / 4; ++j) {
+      for (int j = 0; j < kCols / 4; ++j) {
         const int col = 8 * (j / 2) + 2 * q + (j % 2);
         const float gt = p.acts_global_sf != nullptr && col < ti.rows ? p.acts_global_sf[ti.row0 + col] : 0.0f;
         col_f[j] = p.acts_global_sf != nullptr ? (col < ti.rows ? gw * gt : 0.0f) : gw;
       }
     };
+    // Early inputs, by consumer threads ctid < kCols (one token column each), at the tile's first stage.
+    auto issue_early_inputs = [&](const TileInfo& ti) {
+      early_gw = p.weights_global_sf != nullptr ? __ldg(p.weights_global_sf + ti.expert) : 1.0f;
+      if (ctid < kCols) {
+        const int col = ctid;
+        if (col < ti.rows) {
+          if constexpr (kRecipe == ActRecipe::kNVFP4) ptx::cp_async_4(early_in.g + col, p.acts_global_sf + ti.row0 + col);
+          if constexpr (kIsL1)
+            ptx::cp_async_4(early_in.w + col, reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset) + ti.row0 + col);
+          else
+            ptx::cp_async_4(early_in.src + col, reinterpret_cast<const int*>(p.buffer + l.pool_src_offset) + ti.row0 + col);
+        } else {
+          early_in.g[col] = 0.0f, early_in.w[col] = 0.0f, early_in.src[col] = -1;  // columns past the rows
+        }
+      }
+    };
+    // ... and into this thread's registers, in the epilogue (after cp_async_wait_all and a consumer barrier).
+    auto read_early_inputs = [&](const TileInfo& ti) {
+#pragma unroll
+      for (int j = 0; j < kCols / 4; ++j) {
+        const int col = 8 * (j / 2) + 2 * q + (j % 2);
+        col_f[j] = kRecipe == ActRecipe::kNVFP4 ? early_gw * early_in.g[col] : early_gw;
+        col_w[j] = early_in.w[col];
+      }
+      if constexpr (!kIsL1) {
+        constexpr int kChunks = kCols * (kBlockN / 8);
+#pragma unroll
+        for (int it = 0; it < combine_tile_iters<kCols, kBlockN, kNumConsumerThreads>(); ++it) {
+          const int c = ctid + it * kNumConsumerThreads;
+          src[it] = c < kChunks ? early_in.src[c / (kBlockN / 8)] : -1;
+        }
+      }
+      (void)ti;
+    };
     auto load_row_inputs = [&](const TileInfo& ti) {
       if constexpr (kIsL1) {
         const float* row_weight = reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset);
 #pragma unroll
-        for (int j = 0; j < kBlockM / 4; ++j) {
+        for (int j = 0; j < kCols / 4; ++j) {
           const int col = 8 * (j / 2) + 2 * q + (j % 2);
           col_w[j] = col < ti.rows ? row_weight[ti.row0 + col] : 0.0f;
         }
       } else {
-        load_combine_srcs<kBlockM, kBlockN, kNumConsumerThreads>(
+        load_combine_srcs<kCols, kBlockN, kNumConsumerThreads>(
             src, reinterpret_cast<const int*>(p.buffer + l.pool_src_offset) + ti.row0, ti.rows, ctid);
       }
     };
@@ -838,7 +914,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) acc[ls][i] = 0.0f;
     uint32_t a[8][4];  // the A fragments of one (128-K group, 64-row slice): 8 k16 steps
-    int live_cols = kBlockM;  // the BF16 wgmmas' N for this tile (set with its first stage; heuristics::fp4_narrow_mma)
+    int live_cols = kCols;  // the BF16 wgmmas' N for this tile (set with its first stage; heuristics::fp4_narrow_mma)
     int prev_b = 0;
     uint8_t* bf = bf_tiles;
 
@@ -865,7 +941,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           trace_c[trace_n][0] = -clock64();
         }
 #endif
-        if constexpr (kEarlyEpilogueInputs) {
+        if constexpr (kEarlyInSmem) {
+          issue_early_inputs(t);
+        } else if constexpr (kEarlyEpilogueInputs) {
           load_factors(t);
           load_row_inputs(t);
         }
@@ -895,10 +973,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           float fa, fb;
           decode_weights_e4m3(a8, fa, fb, tile_a(stage), tile_sw(stage), fold_tables,
                               (kSlices * consumer + ls) * 64 + quad_row, g, q);
-          const float* factors = reinterpret_cast<const float*>(bf + 2 * kBlockM * 128) + g * kBlockM;
-          float fc[kBlockM / 4];
+          const float* factors = reinterpret_cast<const float*>(bf + 2 * kCols * 128) + g * kCols;
+          float fc[kCols / 4];
 #pragma unroll
-          for (int jj = 0; jj < kBlockM / 4; ++jj) fc[jj] = factors[8 * (jj / 2) + 2 * q + (jj % 2)];
+          for (int jj = 0; jj < kCols / 4; ++jj) fc[jj] = factors[8 * (jj / 2) + 2 * q + (jj % 2)];
           float part[kRegs];
 #pragma unroll
           for (int s = 0; s < 4; ++s)
@@ -909,7 +987,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           ptx::wgmma_fence();
 #pragma unroll
           for (int s = 0; s < 4; ++s)
-            MmaFP8::run(part, a8[s], ptx::smem_desc_sw128(bf_desc_lo + (g * kBlockM * 128 + s * 32) / 16), s > 0);
+            MmaFP8::run(part, a8[s], ptx::smem_desc_sw128(bf_desc_lo + (g * kCols * 128 + s * 32) / 16), s > 0);
           ptx::wgmma_commit();
           // NOTES: waiting here (not before the next decode) keeps the promotion's accumulator index a
           // compile-time constant; the warp would wait before its next decode anyway (register-A wgmmas).
@@ -921,6 +999,14 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             acc[ls][i] = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);
         }
       } else {
+      // One stage's decode + wgmmas, at the tile's width: `fixed` > 0, or chosen inside the stage: 0 by live_cols
+      // (block_m 32 / 64), -1 among 8 / 16 / 24 (block_m 16 with NVFP4 tokens, the wide-tail build included).
+      // NOTES: in the wide-tail build three stage bodies chosen per tile (8 / 16 / 24) made ptxas serialise the
+      // wgmmas for want of registers (C7511); with FP8 tokens a 16 / 24 branch inside the stage made it serialise
+      // L1's (C7520), and two bodies ran 7-22 % slower at T = 1-128 (heuristics::fp4_tail_rows).
+      constexpr bool kNarrow8 = kRecipe == ActRecipe::kNVFP4 && !kSplitK;  // m64n8 for tiles of at most 8 rows
+      auto bf16_stage = [&](auto fixed) {
+      constexpr int kFixed = decltype(fixed)::value;
 #pragma unroll
       for (int j = 0; j < 2 * kSlices; ++j) {
         const int g = j / kSlices, ls = j % kSlices;
@@ -946,7 +1032,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
           const int step = 8 * g + s;
-          desc_b[s] = ptx::smem_desc_sw128(bf_desc_lo + ((step / 4) * kBlockM * 128 + (step % 4) * 32) / 16);
+          desc_b[s] = ptx::smem_desc_sw128(bf_desc_lo + ((step / 4) * kCols * 128 + (step % 4) * 32) / 16);
         }
         fence_fragment(a);
         ptx::wgmma_fence();
@@ -957,7 +1043,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #pragma unroll
           for (int s = 0; s < 8; ++s) ptx::WgmmaBF16RS<decltype(width)::value>::run(acc[ls], a[s], desc_b[s]);
         };
-        if constexpr (kBlockM == 64) {
+        if constexpr (kBlockM == 64 && kFixed == 0) {
           if (live_cols > 48) {
             if (live_cols == 64) issue(std::integral_constant<int, 64>{});
             else issue(std::integral_constant<int, 56>{});
@@ -970,21 +1056,30 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           } else {
             issue(std::integral_constant<int, 16>{});
           }
-        } else if constexpr (kBlockM == 32) {
+        } else if constexpr (kBlockM == 32 && kFixed == 0) {
           if (live_cols == 32) issue(std::integral_constant<int, 32>{});
           else if (live_cols == 24) issue(std::integral_constant<int, 24>{});
           else issue(std::integral_constant<int, 16>{});
-        } else {
-          // NVFP4 tokens only: with FP8 tokens m64n8 ran 2-7 % slower at T = 1-512 (MXFP4 and NVFP4 weights, both
-          // models), with NVFP4 tokens 1-8 % faster at 128-512 (H100, 2026-11-26, 2 rounds; docs/bench/
-          // h100-2026-11-26d-ab-fp4-n8-all-recipes.json; not explained). Not in the split builds: L1 then spilled 12
-          // bytes, and in L2 ptxas serialised every wgmma (C7520: an injected warpgroup arrive in a divergent path).
-          // t.rows, not live_cols: one register fewer, for block_m 16's 104.
-          constexpr bool kNarrow8 = kRecipe == ActRecipe::kNVFP4 && !kSplitK;
+        } else if constexpr (kFixed < 0) {
           if (kNarrow8 && p.narrow_mma && t.rows <= 8) issue(std::integral_constant<int, 8>{});
-          else issue(std::integral_constant<int, kBlockM>{});
+          else if (kTail == 0 || t.rows <= kBlockM) issue(std::integral_constant<int, kBlockM>{});
+          else issue(std::integral_constant<int, kCols>{});
+        } else {
+          issue(fixed);
         }
         ptx::wgmma_commit();
+      }
+      };
+      if constexpr (kBlockM > 16) {
+        bf16_stage(std::integral_constant<int, 0>{});
+      } else {
+        // NVFP4 tokens only: with FP8 tokens m64n8 ran 2-7 % slower at T = 1-512 (MXFP4 and NVFP4 weights, both
+        // models), with NVFP4 tokens 1-8 % faster at 128-512 (H100, 2026-11-26, 2 rounds; docs/bench/
+        // h100-2026-11-26d-ab-fp4-n8-all-recipes.json; not explained). Not in the split builds: L1 then spilled 12
+        // bytes, and in L2 ptxas serialised every wgmma (C7520: an injected warpgroup arrive in a divergent path).
+        // A wide tile (an expert's last block past 16 rows, kTail > 0) runs m64n24 into the whole fragment.
+        if constexpr (kNarrow8 || kTail > 0) bf16_stage(std::integral_constant<int, -1>{});
+        else bf16_stage(std::integral_constant<int, kBlockM>{});
       }
       }
       // The stage's weights and weight scales are in registers now: the producer may refill it.
@@ -1010,7 +1105,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       // A split unit (SplitPlan): its accumulators out (thread-contiguous rows of the unit's block), then the tile's
       // counter; the last unit sums every unit's block in split order and goes on to the epilogue.
       constexpr int kUnitFloats = kSlices * kRegs * kNumConsumerThreads;
-      static_assert(kUnitFloats == kBlockN * kBlockM, "a unit's partials: 256 x block_m floats (the host's workspace)");
+      static_assert(!kSplitK || (kUnitFloats == kBlockN * kBlockM && kCols == kBlockM),
+                    "a unit's partials: 256 x block_m floats (the host's workspace)");
       const int first_unit = plan.whole + (u.tile - plan.whole) * plan.splits;  // the tile's split 0
       float* mine = p.partials + int64_t(unit - plan.whole) * kUnitFloats + ctid;
 #pragma unroll
@@ -1022,7 +1118,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       if (ctid == 0) *split_last = atomicAdd(p.split_counters + (u.tile - plan.whole), 1) == plan.splits - 1;
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       if (!*split_last) {
-        // Not the last: no epilogue; the bf16 tile is free (the stores above read registers only).
+        // Not the last: no epilogue; the bf16 tile is free (the stores above read registers only). The early inputs'
+        // copies complete before the next unit's copies to the same words.
+        if constexpr (kEarlyInSmem) ptx::cp_async_wait_all();
         if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
 #ifdef MEGAMOE_TILE_TRACE
         if (ctid == 0 && trace_n < kTraceTiles) trace_t[trace_n++][2] = ptx::globaltimer_ns();
@@ -1043,9 +1141,11 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     }
 
     // ======================================================================== epilogue
-    ptx::named_barrier_sync(1, kNumConsumerThreads);  // every consumer's wgmmas on `epi` have finished
+    if constexpr (kEarlyInSmem) ptx::cp_async_wait_all();  // this thread's early-input copies
+    ptx::named_barrier_sync(1, kNumConsumerThreads);  // every consumer's wgmmas on `epi` have finished (and the copies)
     trace_phase(0);
-    if constexpr (!kEarlyEpilogueInputs) load_factors(t);
+    if constexpr (kEarlyInSmem) read_early_inputs(t);
+    else if constexpr (!kEarlyEpilogueInputs) load_factors(t);
     if constexpr (kIsL1) {
       // SwiGLU: gate rows (even slice) with the matching up rows (the next slice). With one slice per consumer
       // (block_m 16) the two consumers of a pair split the token columns: each hands the other the half of its fragment
@@ -1057,56 +1157,78 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       // pair, both models, T = 1 / 16 / 128 / 512; docs/bench/h100-2026-11-26-ab-fp4-l1-split-columns.json): median
       // 0.996 per replay (0.979-1.014), 0.996 in a graph (0.975-1.004); 29 / 28 of 32 rows at or below 1.000. Tests:
       // test_gpu_fp4 467 passed.
+      // The fragment's 8-column groups (registers [4 g, 4 g + 4)): with one slice per consumer, half h finishes the
+      // groups g = h, h + 2, ... (16 columns: one each; 24: groups 0 and 2 / group 1), kOwnGroups slots of 4 registers
+      // (a slot past the fragment holds zeros, its columns past every tile's rows: never stored).
       const int pair = kSlices == 2 ? consumer : consumer / 2;
-      constexpr int kOwn = kSlices == 2 ? kRegs : kRegs / 2;  // fragment registers this thread finishes
       const int half = kSlices == 2 ? 0 : consumer % 2;
-      static_assert(kOwn % 4 == 0, "whole k8 column groups per half");
+      constexpr int kGroups = kRegs / 4;
+      constexpr int kOwnGroups = kSlices == 2 ? kGroups : (kGroups + 1) / 2;
+      constexpr int kOwn = 4 * kOwnGroups;  // registers this thread finishes
+      auto own_group = [&](int s) { return kSlices == 2 ? s : half + 2 * s; };
       static_assert(kSlices == 2 || kEarlyEpilogueInputs, "one slice per consumer reads col_w / col_f before the epilogue");
       float gate[kOwn], up[kOwn], own_w[kOwn / 2], own_f[kOwn / 2];
       if constexpr (kSlices == 2) {
 #pragma unroll
         for (int r = 0; r < kOwn; ++r) gate[r] = acc[0][r], up[r] = acc[1][r];
-      } else {
-        float* xchg = reinterpret_cast<float*>(epi) + ((pair * 2 + half) * 128 + (ctid % 128)) * kOwn;  // [2][2][128][kOwn]
-#pragma unroll
-        for (int r = 0; r < kOwn; ++r) xchg[r] = half ? acc[0][r] : acc[0][kOwn + r];  // the other's half
-        ptx::named_barrier_sync(1, kNumConsumerThreads);
-        const float* from = reinterpret_cast<const float*>(epi) + ((pair * 2 + (1 - half)) * 128 + (ctid % 128)) * kOwn;
-#pragma unroll
-        for (int r = 0; r < kOwn; ++r) {
-          const float mine = half ? acc[0][kOwn + r] : acc[0][r], theirs = from[r];
-          gate[r] = half ? theirs : mine, up[r] = half ? mine : theirs;
-        }
-#pragma unroll
-        for (int c = 0; c < kOwn / 2; ++c)
-          own_w[c] = half ? col_w[kOwn / 2 + c] : col_w[c], own_f[c] = half ? col_f[kOwn / 2 + c] : col_f[c];
-        ptx::named_barrier_sync(1, kNumConsumerThreads);  // `epi` is free again
-      }
-      if constexpr (!kEarlyEpilogueInputs) load_row_inputs(t);
-      if constexpr (kSlices == 2) {
+        if constexpr (!kEarlyEpilogueInputs) load_row_inputs(t);
 #pragma unroll
         for (int c = 0; c < kOwn / 2; ++c) own_w[c] = col_w[c], own_f[c] = col_f[c];  // every column is this thread's
+      } else {
+        // Each thread of the pair writes the groups the other finishes into one record per thread position
+        // ([2 pairs][128][kRegs] floats: exactly a bf16 tile), then reads its own groups from the other's writes.
+        float* xchg = reinterpret_cast<float*>(epi) + (pair * 128 + (ctid % 128)) * kRegs;
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g)
+          if (g % 2 != half)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) xchg[4 * g + r] = acc[0][4 * g + r];
+        ptx::named_barrier_sync(1, kNumConsumerThreads);
+#pragma unroll
+        for (int sl = 0; sl < kOwnGroups; ++sl) {
+          const bool live = own_group(sl) < kGroups;  // compile-time indices below: half selects
+          constexpr int kMaxG = kGroups - 1;
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const float mine = half ? (2 * sl + 1 <= kMaxG ? acc[0][min(4 * (2 * sl + 1) + r, kRegs - 1)] : 0.0f)
+                                    : acc[0][4 * (2 * sl) + r];
+            const float theirs = live ? xchg[4 * own_group(sl) + r] : 0.0f;
+            gate[4 * sl + r] = half ? theirs : mine, up[4 * sl + r] = half ? mine : theirs;
+          }
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int j0 = 2 * (2 * sl) + c, j1 = min(2 * (2 * sl + 1) + c, kCols / 4 - 1);
+            const bool has1 = 2 * sl + 1 <= kMaxG;
+            own_w[2 * sl + c] = half ? (has1 ? col_w[j1] : 0.0f) : col_w[j0];
+            own_f[2 * sl + c] = half ? (has1 ? col_f[j1] : 0.0f) : col_f[j0];
+          }
+        }
+        ptx::named_barrier_sync(1, kNumConsumerThreads);  // `epi` is free again
       }
+      // Token column of own register r (fragment column 8 g + 2 q + r % 2 of its group g).
+      auto own_col = [&](int r) { return 8 * own_group(r / 4) + 2 * q + (r % 2); };
       swiglu_fragment<true>(gate, up, own_w, own_f, p.fast_math, p.activation_clamp);
-      const int col0 = 8 * (half * kOwn / 4);  // the first token column of this thread's half
       const int inter = p.n / 2;
       if constexpr (kRecipe == ActRecipe::kNVFP4) {
         // The per-token global scale spans the whole I row, which no tile sees: store float32, the
         // requantization kernel runs after this grid.
 #pragma unroll
         for (int r = 0; r < kOwn; ++r) {
-          const int col = col0 + 8 * (r / 4) + 2 * q + (r % 2);
+          const int col = own_col(r);  // past the fragment (a zero slot): past the rows too
           const int out = t.n_block * 128 + pair * 64 + quad_row + ((r / 2) % 2) * 8;
           if (col < t.rows) p.scratch[int64_t(t.row0 + col) * inter + out] = gate[r];
         }
       } else {
         // Per-token amax over each 32 outputs (two warps of a consumer): registers, lanes sharing a column
         // (xor 4, 8, 16), then shared memory.
-        float* amax_smem = reinterpret_cast<float*>(epi);             // [8 warps][kBlockM]
-        uint8_t* out_tile = epi + 8 * kBlockM * 4;                    // [kBlockM][128] codes / E4M3
-        float* inv_smem = reinterpret_cast<float*>(out_tile + kBlockM * 128);  // [4 blocks][kBlockM] 1 / scale
-        static_assert(8 * kBlockM * 4 + kBlockM * 128 + 4 * kBlockM * 4 <= S::kTileBF, "L1 epilogue scratch");
-        store_token_amax<2 * kOwn>(gate, amax_smem + (pair * 4 + warp) * kBlockM + col0, lane);
+        float* amax_smem = reinterpret_cast<float*>(epi);             // [8 warps][kCols]
+        uint8_t* out_tile = epi + 8 * kCols * 4;                      // [kCols][128] codes / E4M3
+        float* inv_smem = reinterpret_cast<float*>(out_tile + kCols * 128);  // [4 blocks][kCols] 1 / scale
+        static_assert(8 * kCols * 4 + kCols * 128 + 4 * kCols * 4 <= S::kTileBF, "L1 epilogue scratch");
+#pragma unroll
+        for (int sl = 0; sl < kOwnGroups; ++sl)
+          if (own_group(sl) < kGroups)  // warp-uniform
+            store_token_amax<8>(gate + 4 * sl, amax_smem + (pair * 4 + warp) * kCols + 8 * own_group(sl), lane);
         ptx::named_barrier_sync(1, kNumConsumerThreads);
         trace_phase(1);
         // One thread per (32-output block, token) takes the block's scale from its two warps' amax, stores it (UE8M0)
@@ -1116,24 +1238,25 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         // tile (H100 tile trace, 2026-11-26, docs/bench/h100-2026-11-26-trace-phases-*.txt). With this, H100 A/B (2
         // rounds, both models, T = 1-2048, docs/bench/h100-2026-11-26-ab-fp4-l1-scales-once.json): 0.950-1.000 per
         // replay, median 0.986, where the L1 quantizes (MXFP4 / FP8 tokens); NVFP4-token rows (no change) 0.986-1.004.
-        static_assert(4 * kBlockM <= kNumConsumerThreads, "a scale per consumer thread");
-        if (ctid < 4 * kBlockM) {
-          const int bl = ctid / kBlockM, col = ctid % kBlockM;  // bl = pair * 2 + warp / 2: warps 2 bl, 2 bl + 1
-          const float amax = max_nan(amax_smem[(2 * bl) * kBlockM + col], amax_smem[(2 * bl + 1) * kBlockM + col]);
+        static_assert(4 * kCols <= kNumConsumerThreads, "a scale per consumer thread");
+        if (ctid < 4 * kCols) {
+          const int bl = ctid / kCols, col = ctid % kCols;  // bl = pair * 2 + warp / 2: warps 2 bl, 2 bl + 1
+          const float amax = max_nan(amax_smem[(2 * bl) * kCols + col], amax_smem[(2 * bl + 1) * kCols + col]);
           constexpr float kCodeMax = kRecipe == ActRecipe::kFP8UE8M0Block32 ? kFP8Max : kE2M1Max;
           const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / kCodeMax);
-          inv_smem[bl * kBlockM + col] = pow2_reciprocal(scale);
+          inv_smem[bl * kCols + col] = pow2_reciprocal(scale);
           if (col < t.rows)
             p.buffer[l.pool_sf_offset + int64_t(t.n_block * 4 + bl) * l.pool_rows + t.row0 + col] = ue8m0_bits(scale);
         }
         ptx::named_barrier_sync(1, kNumConsumerThreads);
         {
-          const float* inv_block = inv_smem + (pair * 2 + warp / 2) * kBlockM;
+          const float* inv_block = inv_smem + (pair * 2 + warp / 2) * kCols;
 #pragma unroll
           for (int j = 0; j < kOwn / 2; ++j) {
-            const int col = col0 + 8 * (j / 2) + 2 * q + (j % 2);
-            const float inv = inv_block[col];
+            if (own_group(j / 2) >= kGroups) continue;  // a zero slot (warp-uniform)
             const int i0 = (j / 2) * 4 + (j % 2);
+            const int col = own_col(i0);
+            const float inv = inv_block[col];
             const int out = pair * 64 + quad_row;
             uint8_t c0, c1;
             if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
@@ -1150,7 +1273,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         trace_phase(2);
         if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
           // Coalesced copy-out: 8 x 16 bytes per token row.
-          for (int c = ctid; c < kBlockM * 8; c += kNumConsumerThreads) {
+          for (int c = ctid; c < kCols * 8; c += kNumConsumerThreads) {
             const int col = c / 8, part = c % 8;
             if (col < t.rows)
               *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter + t.n_block * 128 +
@@ -1158,7 +1281,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           }
         } else {
           // Pack: 8 codes -> 4 bytes (low nibble first); 16 x 4 bytes per token row.
-          for (int c = ctid; c < kBlockM * 16; c += kNumConsumerThreads) {
+          for (int c = ctid; c < kCols * 16; c += kNumConsumerThreads) {
             const int col = c / 16, part = c % 16;
             if (col < t.rows) {
               const uint2 codes =
@@ -1178,7 +1301,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     } else {
       // L2: bf16 rows into the combine area of the token's rank at (token, slot) (NVLink stores for a peer).
-      __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epi);  // [kBlockM][256]
+      __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epi);  // [kCols][256]
 #pragma unroll
       for (int ls = 0; ls < kSlices; ++ls) {
         const int base = staged_offset<__nv_bfloat16, kBlockN>(2 * q, (kSlices * consumer + ls) * 64 + quad_row);
@@ -1191,7 +1314,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       trace_phase(1);
       if constexpr (!kEarlyEpilogueInputs) load_row_inputs(t);
-      store_combine_tile<kBlockM, kBlockN, kNumConsumerThreads>(src, out_tile, p.buffer, l, t.n_block, p.n, ctid);
+      store_combine_tile<kCols, kBlockN, kNumConsumerThreads>(src, out_tile, p.buffer, l, t.n_block, p.n, ctid);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     }
     // Every consumer is past the epilogue's last read of `epi` (the barrier above): the converters may refill it.
@@ -1221,15 +1344,18 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 }
 
 // Host: one instantiation's launch (defined here, instantiated by the per-layer .cu files).
-template <int kBlockM, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma, bool kSplitK = false>
+template <int kBlockM, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma, bool kSplitK = false, bool kWideTail = false>
 void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cudaStream_t stream) {
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
-  constexpr int kStages = heuristics::fp4_num_stages_for(kBlockM, kActFP4);
-  constexpr int kBytes = Smem<kBlockM, kActFP4>::template bytes<kStages>();
+  constexpr int kCols = heuristics::fp4_tile_cols(kBlockM, kWideTail);
+  constexpr int kStages = heuristics::fp4_num_stages_for(kBlockM, kActFP4, kCols);
+  constexpr int kBytes = Smem<kBlockM, kCols, kActFP4>::template bytes<kStages>();
   static_assert(kBytes <= 227 * 1024, "FP4 grouped GEMM shared memory exceeds the 227 KB a block may use");
-  constexpr auto kernel = sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe, kFP8Mma, kSplitK>;
+  constexpr auto kernel =
+      sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe, kFP8Mma, kSplitK, kWideTail>;
   allow_dynamic_smem<kernel>(kBytes);
-  launch_pdl(kernel, dim3(num_sms), dim3(Roles<kBlockM>::kThreads), kBytes, stream, a.tmap_weights, a.tmap_acts, p);
+  launch_pdl(kernel, dim3(num_sms), dim3(Roles<kBlockM>::kThreads), kBytes, stream, a.tmap_weights, a.tmap_acts,
+             a.tmap_acts_tail, p);
 #ifdef MEGAMOE_TILE_TRACE
   fp4_trace_print_kernel<<<1, 1, 0, stream>>>(kIsL1 ? 0 : 1, num_sms);  // after the GEMM (stream order)
 #endif
@@ -1241,7 +1367,11 @@ void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int
 // Split K of the last round (SplitPlan) is compiled for block_m 16 only (few tokens) and launched where the host gave a
 // workspace (heuristics::fp4_split_round): elsewhere the kernel without it, whose loops run K from 0 (the split-capable
 // build ran 3-6 % slower at T = 16 / 128 with no tile split; H100, 2026-11-26).
-#define MEGAMOE_FP4_LAUNCH_SPLIT(BM, RECIPE, FP8MMA)                                                          \
+// The wide-tail build (heuristics::fp4_tail_rows: block_m 16, NVFP4 tokens, no split) where the routing gave tail rows.
+#define MEGAMOE_FP4_LAUNCH_SPLIT(BM, RECIPE, FP8MMA)                                                              \
+  if constexpr (BM == 16 && RECIPE == ActRecipe::kNVFP4 && !FP8MMA)                                               \
+    if (p.split_round == 0 && a.tail_rows > 0)                                                                    \
+      return launch_config<BM, kIsL1, kNV, RECIPE, FP8MMA, false, true>(a, p, num_sms, stream);                  \
   return BM == 16 && p.split_round > 0 ? launch_config<BM, kIsL1, kNV, RECIPE, FP8MMA, BM == 16>(a, p, num_sms, stream) \
                                        : launch_config<BM, kIsL1, kNV, RECIPE, FP8MMA>(a, p, num_sms, stream);
 #define MEGAMOE_FP4_LAUNCH(BM)                                                                        \

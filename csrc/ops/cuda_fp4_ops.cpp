@@ -54,10 +54,6 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
     scratch = at::empty({max_rows, l.intermediate}, y.options().dtype(at::kFloat));
   }
 
-  // ---- routing and gather (dispatch: every rank's tokens routed to this rank's experts)
-  kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
-                          recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream);
-
   // Split K of the last round, per GEMM (heuristics::fp4_split_round; the kernel plans it from its tile count). One
   // float32 workspace: L1's then L2's tile counters (round / 2 each, int32; gather zeroes them), then the larger round's
   // units of partial sums (256 x block_m each; L2's reuse L1's: L2's consumers start after L1 has finished).
@@ -78,6 +74,12 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
     counters = reinterpret_cast<int*>(split_ws.data_ptr<float>());
     partials = split_ws.data_ptr<float>() + counter_words;
   }
+  // ---- routing and gather (dispatch: every rank's tokens routed to this rank's experts). An expert's last token block
+  // may hold tail rows past block_m where both GEMMs run a build with them (heuristics::fp4_tail_rows).
+  const int tail_rows = heuristics::fp4_tail_rows(cfg.block_m, heuristics::fp4_expected_rows(t, l.top_k, e), nv_acts,
+                                                  round1 + round2 > 0);
+  kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
+                          recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream, tail_rows);
   kernels::launch_gather(buf, l, recipe, sms, stream, counters, counter_words);
 
   const float clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
@@ -89,6 +91,8 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   kernels::Fp4GroupedGemmArgs g1;
   g1.tmap_weights = kernels::make_tensor_map_2d(l1_weights.data_ptr(), h / 2, e * 2 * inter, h / 2, 128, 256);
   g1.tmap_acts = kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, l.token_bytes, rows, l.token_bytes, 128, bm);
+  g1.tmap_acts_tail = kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, l.token_bytes, rows, l.token_bytes, 128,
+                                                  heuristics::kFp4TailRows);
   g1.acts_sf = buf + l.dispatch_sf_offset;
   g1.weights_sf = static_cast<const uint8_t*>(l1_weights_sf.data_ptr());
   g1.weights_global_sf = global_ptr(l1_weights_global_sf);
@@ -102,6 +106,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g1.activation_clamp = clamp;
   g1.fast_math = fast_math;
   g1.fp8_mma = format == WeightFormat::kMXFP4 && heuristics::choose_mxfp4_fp8_mma(recipe == ActRecipe::kMXFP4);
+  g1.tail_rows = tail_rows;
   g1.split_round = round1;
   g1.partials = partials;
   g1.split_counters = counters;
@@ -112,6 +117,8 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   kernels::Fp4GroupedGemmArgs g2 = g1;
   g2.tmap_weights = kernels::make_tensor_map_2d(l2_weights.data_ptr(), inter / 2, e * h, inter / 2, 128, 256);
   g2.tmap_acts = kernels::make_tensor_map_2d(buf + l.pool_offset, l.pool_row_bytes, rows, l.pool_row_bytes, 128, bm);
+  g2.tmap_acts_tail = kernels::make_tensor_map_2d(buf + l.pool_offset, l.pool_row_bytes, rows, l.pool_row_bytes, 128,
+                                                  heuristics::kFp4TailRows);
   g2.acts_sf = buf + l.pool_sf_offset;
   g2.weights_sf = static_cast<const uint8_t*>(l2_weights_sf.data_ptr());
   g2.weights_global_sf = global_ptr(l2_weights_global_sf);
