@@ -226,9 +226,9 @@ constexpr int fp4_stage_bytes(int cols, bool act_fp4) {
 // tile costs a weight stage, 5 -> 4); two otherwise, where a third would cost a stage of 3-4.
 constexpr int fp4_num_bf_tiles(int block_m) { return block_m == 16 ? 3 : 2; }
 // Fixed part: the bf16 token tiles (cols x 256 K x 2 bytes each; the epilogue reuses them), barriers,
-// the FP8-wgmma path's fold tables, the early epilogue inputs, alignment slack.
+// the FP8-wgmma path's fold tables, the wide-tail build's early epilogue inputs, alignment slack.
 constexpr int fp4_fixed_bytes(int block_m, int cols) {
-  return fp4_num_bf_tiles(block_m) * cols * 512 + 1024 + 256 + 256 + 512;
+  return fp4_num_bf_tiles(block_m) * cols * 512 + 1024 + 256 + 256 + (cols != block_m ? 512 : 0);
 }
 // Deepest pipeline in the 227 KB a block may use: block_m 16: 4 stages (E4M3 tokens) or 5 (E2M1 tokens; 4 with the
 // wide last block's 24 columns); 32: 4; 64: 3.

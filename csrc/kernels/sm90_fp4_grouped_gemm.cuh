@@ -179,7 +179,7 @@ struct Smem {
   template <int kStages>
   static constexpr int bytes() {
     return 1024 /* alignment slack */ + kStages * kStage + kNumBfTiles * kTileBF + 256 /* barriers */ +
-           256 /* FP8-wgmma path: fold tables */ + 512 /* early epilogue inputs */;
+           256 /* FP8-wgmma path: fold tables */ + (kCols != kBlockM ? 512 : 0) /* wide tail: early epilogue inputs */;
   }
 };
 
@@ -501,7 +501,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   // [2 groups][kBlockM][128 bytes] then the token factors float32 [2 groups][kBlockM].
   uint2* fold_tables = reinterpret_cast<uint2*>(reinterpret_cast<uint8_t*>(full) + 256);
   static_assert(kNumFoldTables * 8 <= 256, "fold table area of Smem::bytes");
-  // The early epilogue inputs of the current tile (block_m 16; see issue_early_inputs), after the fold tables.
+  // The early epilogue inputs of the current tile (the wide-tail build; see issue_early_inputs), after the fold tables.
   struct EarlyInputs {
     float* g;  // [kCols] the rows' NVFP4 token global scales
     float* w;  // [kCols] L1: the rows' top-k weights
@@ -509,7 +509,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   };
   float* early_base = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(full) + 512);
   const EarlyInputs early_in{early_base, early_base + kCols, reinterpret_cast<int*>(early_base + 2 * kCols)};
-  static_assert(kBlockM > 16 || 3 * kCols * 4 <= 512, "early input area of Smem::bytes (block_m 16 only)");
+  static_assert(!kWideTail || 3 * kCols * 4 <= 512, "early input area of Smem::bytes (the wide-tail build only)");
   static_assert(2 * kCols * 128 + 2 * kCols * 4 <= S::kTileBF, "E4M3 token tile and factors in a ring tile");
   auto tile_a = [&](int s) { return stages + s * S::kStage; };
   auto tile_b = [&](int s) { return stages + s * S::kStage + S::kTileA; };
@@ -1166,6 +1166,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       constexpr int kOwnGroups = kSlices == 2 ? kGroups : (kGroups + 1) / 2;
       constexpr int kOwn = 4 * kOwnGroups;  // registers this thread finishes
       auto own_group = [&](int s) { return kSlices == 2 ? s : half + 2 * s; };
+      auto own_live = [&](int s) { return kGroups % 2 == 0 || own_group(s) < kGroups; };  // a slot inside the fragment
       static_assert(kSlices == 2 || kEarlyEpilogueInputs, "one slice per consumer reads col_w / col_f before the epilogue");
       float gate[kOwn], up[kOwn], own_w[kOwn / 2], own_f[kOwn / 2];
       if constexpr (kSlices == 2) {
@@ -1174,9 +1175,26 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         if constexpr (!kEarlyEpilogueInputs) load_row_inputs(t);
 #pragma unroll
         for (int c = 0; c < kOwn / 2; ++c) own_w[c] = col_w[c], own_f[c] = col_f[c];  // every column is this thread's
+      } else if constexpr (kGroups % 2 == 0) {
+        // One group each: each thread hands the other the group it owns ([2 pairs][2 halves][128][kOwn] floats).
+        float* xchg = reinterpret_cast<float*>(epi) + ((pair * 2 + half) * 128 + (ctid % 128)) * kOwn;
+#pragma unroll
+        for (int r = 0; r < kOwn; ++r) xchg[r] = half ? acc[0][r] : acc[0][kOwn + r];  // the other's half
+        ptx::named_barrier_sync(1, kNumConsumerThreads);
+        const float* from = reinterpret_cast<const float*>(epi) + ((pair * 2 + (1 - half)) * 128 + (ctid % 128)) * kOwn;
+#pragma unroll
+        for (int r = 0; r < kOwn; ++r) {
+          const float mine = half ? acc[0][kOwn + r] : acc[0][r], theirs = from[r];
+          gate[r] = half ? theirs : mine, up[r] = half ? mine : theirs;
+        }
+#pragma unroll
+        for (int c = 0; c < kOwn / 2; ++c)
+          own_w[c] = half ? col_w[kOwn / 2 + c] : col_w[c], own_f[c] = half ? col_f[kOwn / 2 + c] : col_f[c];
+        ptx::named_barrier_sync(1, kNumConsumerThreads);  // `epi` is free again
       } else {
-        // Each thread of the pair writes the groups the other finishes into one record per thread position
-        // ([2 pairs][128][kRegs] floats: exactly a bf16 tile), then reads its own groups from the other's writes.
+        // Groups by parity (the wide-tail build's 3): each thread of the pair writes the groups the other finishes into
+        // one record per thread position ([2 pairs][128][kRegs] floats: exactly a bf16 tile), then reads its own
+        // groups from the other's writes.
         float* xchg = reinterpret_cast<float*>(epi) + (pair * 128 + (ctid % 128)) * kRegs;
 #pragma unroll
         for (int g = 0; g < kGroups; ++g)
@@ -1227,7 +1245,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         static_assert(8 * kCols * 4 + kCols * 128 + 4 * kCols * 4 <= S::kTileBF, "L1 epilogue scratch");
 #pragma unroll
         for (int sl = 0; sl < kOwnGroups; ++sl)
-          if (own_group(sl) < kGroups)  // warp-uniform
+          if (own_live(sl))  // warp-uniform
             store_token_amax<8>(gate + 4 * sl, amax_smem + (pair * 4 + warp) * kCols + 8 * own_group(sl), lane);
         ptx::named_barrier_sync(1, kNumConsumerThreads);
         trace_phase(1);
@@ -1253,7 +1271,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           const float* inv_block = inv_smem + (pair * 2 + warp / 2) * kCols;
 #pragma unroll
           for (int j = 0; j < kOwn / 2; ++j) {
-            if (own_group(j / 2) >= kGroups) continue;  // a zero slot (warp-uniform)
+            if (!own_live(j / 2)) continue;  // a zero slot (warp-uniform)
             const int i0 = (j / 2) * 4 + (j % 2);
             const int col = own_col(i0);
             const float inv = inv_block[col];
