@@ -206,7 +206,7 @@ def test_narrow_mma_equals_full_width(weight_format, act_format, block_m, monkey
 
 @pytest.mark.parametrize("hidden", [384, 256])
 def test_wide_tail_equals_no_tail(hidden, monkeypatch):
-    """The wide-tail build (block_m 16, NVFP4 tokens, no split; by default from 10 expected rows per expert): an
+    """The wide-tail build (block_m 16, NVFP4 tokens, no split; by default from 11 expected rows per expert): an
     expert's last token block takes up to 8 rows past 16, one m64n24 tile instead of a second tile.
     MEGAMOE_FP4_WIDE_TAIL=1 / =0 forces it on / off. Each output's products and K order are the same, so the outputs are
     bitwise equal, on poisoned outputs, for experts whose last block is narrow (1-8 rows: m64n8), 9-16 rows, wide

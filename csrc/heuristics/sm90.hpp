@@ -191,7 +191,7 @@ inline bool fp4_narrow_mma() {
 // fp4_tile_cols), weight scales 256 rows x 16 bytes and token scales (at most 16 blocks x cols), each piece rounded up
 // to 1024 bytes (TMA 128B-swizzle alignment).
 constexpr int fp4_round_1k(int b) { return (b + 1023) / 1024 * 1024; }
-// FP4 wide last block: at block_m 16 with NVFP4 tokens and 10-13 expected rows per expert, an expert's last token
+// FP4 wide last block: at block_m 16 with NVFP4 tokens and 11-13 expected rows per expert, an expert's last token
 // block holds up to 16 + 8 rows (routing tail_rows, as the FP8 kernel's wide block at 64), one m64n24 tile where a
 // second tile would decode the same 256 weight rows again for 1-8 rows; a build of its own (the kernel's kWideTail:
 // tiles of 24 token columns, early epilogue inputs in shared memory), so that the other sizes keep theirs.
@@ -200,15 +200,17 @@ constexpr int fp4_round_1k(int b) { return (b + 1023) / 1024 * 1024; }
 // main's per replay; docs/bench/h100-2026-11-26e-ab-fp4-wide-tail-all-recipes.json): NVFP4 w4a4 V4-Flash T=512 0.917,
 // V4-Pro 768 0.944, but V4-Pro 512 (8 rows) 1.048 and T = 16 / 128 1.02-1.05 (its tiles hold 4 stages, not 5); with
 // FP8 tokens (two stage bodies: a width branch inside the stage made ptxas serialise the wgmmas, C7520) T = 1-128
-// 1.07-1.22 and V4-Pro 512 1.03-1.12: no tail there. MEGAMOE_FP4_WIDE_TAIL=0 / =1 (read per call; tests) turns it
-// off / on wherever the build exists (block_m 16, NVFP4 tokens, no split).
+// 1.07-1.22 and V4-Pro 512 1.03-1.12: no tail there. Its own build for NVFP4 tokens (-ab-fp4-wide-tail-nvfp4-tokens.json,
+// 2 rounds, per replay / in a graph): V4-Flash T=512 (12 rows) 0.935 / 0.955, V4-Pro 768 (12) 0.961 / 0.946, V4-Pro 640
+// (10) 1.024 / 1.021, hence from 11 rows; every other row (the other builds) 0.98-1.025. MEGAMOE_FP4_WIDE_TAIL=0 / =1
+// (read per call; tests) turns it off / on wherever the build exists (block_m 16, NVFP4 tokens, no split).
 constexpr int kFp4TailRows = 8;
 constexpr int fp4_tile_cols(int block_m, bool wide_tail) { return block_m + (wide_tail ? kFp4TailRows : 0); }
 inline int fp4_tail_rows(int block_m, int64_t expected_rows, bool nvfp4_tokens, bool split_k) {
   if (block_m != 16 || !nvfp4_tokens || split_k) return 0;
   const char* env = std::getenv("MEGAMOE_FP4_WIDE_TAIL");
   if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1' ? kFp4TailRows : 0;
-  return expected_rows >= 10 ? kFp4TailRows : 0;
+  return expected_rows >= 11 ? kFp4TailRows : 0;
 }
 // Expected rows per touched expert (token_block_for's argument for the FP4 kernels).
 inline int64_t fp4_expected_rows(int64_t num_tokens, int64_t top_k, int64_t num_experts) {
