@@ -204,28 +204,43 @@ def test_narrow_mma_equals_full_width(weight_format, act_format, block_m, monkey
     assert rel_err(narrow, case.ref) <= TOL
 
 
-@pytest.mark.parametrize("hidden", [384, 256])
-def test_wide_tail_equals_no_tail(hidden, monkeypatch):
+@pytest.mark.parametrize("hidden,inter", [(384, 256), (256, 1024), (1024, 1024)])
+def test_wide_tail_equals_no_tail(hidden, inter, monkeypatch):
     """The wide-tail build (block_m 16, NVFP4 tokens, no split; by default from 11 expected rows per expert): an
     expert's last token block takes up to 8 rows past 16, one m64n24 tile instead of a second tile.
-    MEGAMOE_FP4_WIDE_TAIL=1 / =0 forces it on / off. Each output's products and K order are the same, so the outputs are
-    bitwise equal, on poisoned outputs, for experts whose last block is narrow (1-8 rows: m64n8), 9-16 rows, wide
-    (17-24 rows past the full blocks) or several blocks deep; hidden 256 runs one 256-K stage per L1 tile, 384 a
-    partial last stage."""
+    MEGAMOE_FP4_WIDE_TAIL=1 / =0 forces it on / off (the routing's token blocks show which ran). Each output's products
+    and K order are the same, so the outputs are bitwise equal, with every GEMM output poisoned before each call (y,
+    the pool and combine area, L1's float32 scratch), for experts whose last block is narrow (1-8 rows: m64n8), 9-16
+    rows, wide (17-24 rows past the full blocks) or several blocks deep; also with MEGAMOE_FP4_NARROW_MMA=0. Hidden 384
+    runs a partial last L1 stage; intermediate 1024 gives each CTA several L1 tiles (and L2 tiles at hidden 1024), so
+    the shared-memory early inputs and token tiles are rewritten between tiles."""
     rows = [1, 8, 9, 15, 16, 17, 20, 23, 24, 25, 31, 32, 33, 40, 41, 47, 48, 49, 56, 57, 0, 12]
-    e, i, k, t = len(rows), 256, 1, sum(rows)
-    case = make_case(e, hidden, i, k, t, "nvfp4", "fp4", device="cuda", seed=401 + hidden, with_ref=False)
-    gen = torch.Generator().manual_seed(402 + hidden)
+    e, k, t = len(rows), 1, sum(rows)
+    case = make_case(e, hidden, inter, k, t, "nvfp4", "fp4", device="cuda", seed=401 + hidden + inter, with_ref=False)
+    gen = torch.Generator().manual_seed(402 + hidden + inter)
     experts = torch.repeat_interleave(torch.arange(e), torch.tensor(rows))[torch.randperm(t, generator=gen)]
     case.topk_idx = experts.view(t, 1).to(device="cuda", dtype=case.topk_idx.dtype)
     case.ref = case.reference()
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", "16")
     monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "0")
-    monkeypatch.setenv("MEGAMOE_FP4_WIDE_TAIL", "0")
-    narrow = run_poisoned(case)
-    monkeypatch.setenv("MEGAMOE_FP4_WIDE_TAIL", "1")
-    wide = run_poisoned(case)
+
+    def run(tail):
+        monkeypatch.setenv("MEGAMOE_FP4_WIDE_TAIL", "1" if tail else "0")
+        poison_gemm_outputs(case.buffer)
+        megamoe.pre_dispatch(case.x, case.topk_idx, case.topk_weights, case.buffer, weight_format="nvfp4")
+        y = torch.full_like(case.x, float("nan"))
+        # L1's float32 scratch is the op's first allocation, [t k, inter]: hand the caching allocator a NaN block of
+        # that size just before the call.
+        torch.full((t * k, inter), float("nan"), device="cuda")
+        megamoe.fp8_fp4_mega_moe(y, case.l1, case.l2, case.buffer, weight_format="nvfp4")
+        blocks = case.buffer.view("tile_offset", (e + 1,), torch.int32).tolist()[e]
+        assert blocks == sum((max(c - (8 if tail else 0), 1) + 15) // 16 for c in rows if c), f"tail {tail}"
+        return y
+
+    narrow, wide = run(False), run(True)
     assert torch.equal(wide, narrow)
+    monkeypatch.setenv("MEGAMOE_FP4_NARROW_MMA", "0")
+    assert torch.equal(run(True), narrow)
     assert rel_err(wide, case.ref) <= TOL
 
 

@@ -1382,6 +1382,12 @@ void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cu
 // Every (block_m, activation recipe) of one layer and weight format (kFP8Mma: MXFP4 on FP8 wgmmas).
 template <bool kIsL1, bool kNV, bool kFP8Mma = false>
 void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int num_sms, cudaStream_t stream) {
+  // Tail rows route blocks of up to block_m + tail_rows rows, which only the wide-tail build holds.
+  if (a.tail_rows != 0 && (a.tail_rows != heuristics::kFp4TailRows || block_m != 16 || a.recipe != ActRecipe::kNVFP4 ||
+                           kFP8Mma || p.split_round > 0))
+    throw std::runtime_error("megamoe: FP4 routing tail_rows = " + std::to_string(a.tail_rows) +
+                             " needs the wide-tail build (tail_rows " + std::to_string(heuristics::kFp4TailRows) +
+                             ", block_m 16, NVFP4 tokens, no split K); got block_m " + std::to_string(block_m));
 // Split K of the last round (SplitPlan) is compiled for block_m 16 only (few tokens) and launched where the host gave a
 // workspace (heuristics::fp4_split_round): elsewhere the kernel without it, whose loops run K from 0 (the split-capable
 // build ran 3-6 % slower at T = 16 / 128 with no tile split; H100, 2026-11-26).

@@ -91,8 +91,9 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   kernels::Fp4GroupedGemmArgs g1;
   g1.tmap_weights = kernels::make_tensor_map_2d(l1_weights.data_ptr(), h / 2, e * 2 * inter, h / 2, 128, 256);
   g1.tmap_acts = kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, l.token_bytes, rows, l.token_bytes, 128, bm);
-  g1.tmap_acts_tail = kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, l.token_bytes, rows, l.token_bytes, 128,
-                                                  heuristics::kFp4TailRows);
+  g1.tmap_acts_tail = tail_rows > 0 ? kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, l.token_bytes, rows,
+                                                                   l.token_bytes, 128, heuristics::kFp4TailRows)
+                                     : g1.tmap_acts;  // not read without tail rows
   g1.acts_sf = buf + l.dispatch_sf_offset;
   g1.weights_sf = static_cast<const uint8_t*>(l1_weights_sf.data_ptr());
   g1.weights_global_sf = global_ptr(l1_weights_global_sf);
@@ -117,8 +118,9 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   kernels::Fp4GroupedGemmArgs g2 = g1;
   g2.tmap_weights = kernels::make_tensor_map_2d(l2_weights.data_ptr(), inter / 2, e * h, inter / 2, 128, 256);
   g2.tmap_acts = kernels::make_tensor_map_2d(buf + l.pool_offset, l.pool_row_bytes, rows, l.pool_row_bytes, 128, bm);
-  g2.tmap_acts_tail = kernels::make_tensor_map_2d(buf + l.pool_offset, l.pool_row_bytes, rows, l.pool_row_bytes, 128,
-                                                  heuristics::kFp4TailRows);
+  g2.tmap_acts_tail = tail_rows > 0 ? kernels::make_tensor_map_2d(buf + l.pool_offset, l.pool_row_bytes, rows,
+                                                                   l.pool_row_bytes, 128, heuristics::kFp4TailRows)
+                                     : g2.tmap_acts;
   g2.acts_sf = buf + l.pool_sf_offset;
   g2.weights_sf = static_cast<const uint8_t*>(l2_weights_sf.data_ptr());
   g2.weights_global_sf = global_ptr(l2_weights_global_sf);
