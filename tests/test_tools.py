@@ -163,6 +163,7 @@ def test_ab_patches_apply(patch, tmp_path):
     """The kernel variants kept as patches for a device A/B (benchmarks/patches) still apply to the current sources."""
     import subprocess
 
-    shutil.copytree(ROOT / "csrc", tmp_path / "csrc")
+    for tree in ("csrc", "tests"):  # a variant may carry its test changes
+        shutil.copytree(ROOT / tree, tmp_path / tree)
     done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
