@@ -186,8 +186,9 @@ def test_narrow_mma_equals_full_width(weight_format, act_format, block_m, monkey
     """The BF16 path runs each tile's wgmmas only as wide as its rows rounded up to 8, at least 16 (m64n16, n24 ...
     n64; block_m 16: m64n8 for up to 8 rows); MEGAMOE_FP4_NARROW_MMA=0 runs every tile at the block's width. Each
     output's products and K order are the same, so the outputs are bitwise equal, on poisoned outputs, for experts of
-    every width class and a few token blocks (rows 1-100, one empty). MXFP4 tokens take the FP8-wgmma path, which always runs the
-    block's width; so do the split-K builds (block_m 16 at few tokens: test_split_last_round)."""
+    every width class and a few token blocks (rows 1-100, one empty). MXFP4 tokens take the FP8-wgmma path, which
+    always runs the block's width; so do the split-K builds (block_m 16 at few tokens: test_split_last_round). At
+    block_m 16 with NVFP4 tokens the rows here take the wide-tail build (m64n24 for 17-24 rows in a last block)."""
     rows = [1, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 40, 41, 47, 48, 49, 56, 57, 63, 64, 65, 80, 100, 0]
     e, h, i, k, t = len(rows), 384, 256, 1, sum(rows)
     case = make_case(e, h, i, k, t, weight_format, act_format, device="cuda", seed=301 + block_m, with_ref=False)

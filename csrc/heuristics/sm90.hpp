@@ -169,10 +169,10 @@ inline bool choose_mxfp4_fp8_mma(bool mxfp4_acts) {
   return mxfp4_acts;
 }
 
-// FP4 BF16 path: each tile's wgmmas are as wide as its rows rounded up to 8, at least 16 (m64n16, n24 ... n64; block_m 16:
-// n8 for up to 8 rows), not the whole block (sm90_fp4_grouped_gemm.cuh, live_cols). MEGAMOE_FP4_NARROW_MMA=0 (read per call; tests)
-// runs every tile at the block's width. NOTES: H100 A/B of the block_m 32 / 64 part (2026-11-26, 2 rounds, every FP4
-// pair; docs/bench/h100-2026-11-26d-ab-fp4-narrow-mma.json; time per replay / in a graph): V4-Pro T=2048 (~32 rows)
+// FP4 BF16 path: each tile's wgmmas are as wide as its rows rounded up to 8, at least 16 (m64n16, n24 ... n64;
+// block_m 16: n8 for up to 8 rows), not the whole block (sm90_fp4_grouped_gemm.cuh, live_cols).
+// MEGAMOE_FP4_NARROW_MMA=0 (read per call; tests) runs every tile at the block's width. NOTES: H100 A/B of the
+// block_m 32 / 64 part (2026-11-26, 2 rounds, every FP4 pair; docs/bench/h100-2026-11-26d-ab-fp4-narrow-mma.json; time per replay / in a graph): V4-Pro T=2048 (~32 rows)
 // -6 to -11 % / -7 to -11 % on the BF16 path, V4-Flash 2048 (~48) -2 to -8 % / -1 to -3 %, 4096 -1 to -5 %, 8192 and
 // T=1024 within +-2.6 %; bitwise equal. m64n8 at block_m 16 (NVFP4 tokens only; -ab-fp4-n8-nvfp4-tokens.json): T=128
 // -3 to -8 %, V4-Pro 512 -2 to -6 %; with FP8 tokens it was 2-7 % slower (-ab-fp4-n8-all-recipes.json), so off there.
@@ -196,14 +196,15 @@ constexpr int fp4_round_1k(int b) { return (b + 1023) / 1024 * 1024; }
 // second tile would decode the same 256 weight rows again for 1-8 rows; a build of its own (the kernel's kWideTail:
 // tiles of 24 token columns, early epilogue inputs in shared memory), so that the other sizes keep theirs.
 // NOTES: block_m 16 serves up to 13 expected rows, and the rows scatter around the mean: at V4-Flash T=512 (12 rows)
-// ~13 % of the experts overflow 16. H100 A/B of the tail for every recipe at block_m 16 (2026-11-26, 2 rounds, time over
-// main's per replay; docs/bench/h100-2026-11-26e-ab-fp4-wide-tail-all-recipes.json): NVFP4 w4a4 V4-Flash T=512 0.917,
-// V4-Pro 768 0.944, but V4-Pro 512 (8 rows) 1.048 and T = 16 / 128 1.02-1.05 (its tiles hold 4 stages, not 5); with
-// FP8 tokens (two stage bodies: a width branch inside the stage made ptxas serialise the wgmmas, C7520) T = 1-128
-// 1.07-1.22 and V4-Pro 512 1.03-1.12: no tail there. Its own build for NVFP4 tokens (-ab-fp4-wide-tail-nvfp4-tokens.json,
-// 2 rounds, per replay / in a graph): V4-Flash T=512 (12 rows) 0.935 / 0.955, V4-Pro 768 (12) 0.961 / 0.946, V4-Pro 640
-// (10) 1.024 / 1.021, hence from 11 rows; every other row (the other builds) 0.98-1.025. MEGAMOE_FP4_WIDE_TAIL=0 / =1
-// (read per call; tests) turns it off / on wherever the build exists (block_m 16, NVFP4 tokens, no split).
+// ~13 % of the experts overflow 16. H100 A/B of the tail for every recipe at block_m 16 (2026-11-26, 2 rounds, time
+// over main's per replay; docs/bench/h100-2026-11-26e-ab-fp4-wide-tail-all-recipes.json): NVFP4 w4a4 V4-Flash T=512
+// 0.917, V4-Pro 768 0.944, but V4-Pro 512 (8 rows) 1.048 and T = 16 / 128 1.02-1.05 (its tiles hold 4 stages, not 5);
+// with FP8 tokens (two stage bodies: a width branch inside the stage made ptxas serialise the wgmmas, C7520) T = 1-128
+// 1.07-1.22 and V4-Pro 512 1.03-1.12: no tail there. Its own build for NVFP4 tokens
+// (-ab-fp4-wide-tail-nvfp4-tokens.json, 2 rounds, per replay / in a graph): V4-Flash T=512 (12 rows) 0.935 / 0.955,
+// V4-Pro 768 (12) 0.961 / 0.946, V4-Pro 640 (10) 1.024 / 1.021, hence from 11 rows; every other row (the other
+// builds) 0.98-1.025. MEGAMOE_FP4_WIDE_TAIL=0 / =1 (read per call; tests) turns it off / on wherever the build exists
+// (block_m 16, NVFP4 tokens, no split).
 constexpr int kFp4TailRows = 8;
 constexpr int fp4_tile_cols(int block_m, bool wide_tail) { return block_m + (wide_tail ? kFp4TailRows : 0); }
 inline int fp4_tail_rows(int block_m, int64_t expected_rows, bool nvfp4_tokens, bool split_k) {

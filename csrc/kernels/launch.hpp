@@ -61,7 +61,7 @@ CUtensorMap make_tensor_map_2d(const void* base, uint64_t inner, uint64_t outer,
 struct Fp4GroupedGemmArgs {
   CUtensorMap tmap_weights;        // packed E2M1 [E * n, k / 2] bytes, box {128, 256}, 128B swizzle
   CUtensorMap tmap_acts;           // E4M3 [pool_rows, k] or packed E2M1 [pool_rows, k / 2], box {128, block_m}, 128B
-  CUtensorMap tmap_acts_tail;      // the same, box {128, heuristics::kFp4TailRows}: a wide last block's rows past block_m
+  CUtensorMap tmap_acts_tail;      // the same, box {128, kFp4TailRows}: a wide last block's rows past block_m
   const uint8_t* weights_sf;       // [E * n, k / 32] UE8M0 (MXFP4) or [E * n, k / 16] UE4M3 (NVFP4)
   const float* weights_global_sf;  // [E] (NVFP4) or nullptr
   const uint8_t* acts_sf;          // token scales [k / blk, pool_rows] bytes (K-block-major)

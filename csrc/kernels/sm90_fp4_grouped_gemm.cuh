@@ -625,7 +625,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #endif
           }
           // Token rows [row0, row0 + block_m) and, in a wide tile, the tail rows after them (1024-byte aligned:
-          // the 128B swizzle phase of a row is its index mod 8 either way). E4M3 tokens: two 128-K groups of kCols rows.
+          // the 128B swizzle phase of a row is its index mod 8 either way). E4M3 tokens: two 128-K groups of kCols
+          // rows.
           const bool wide = kTail > 0 && t.rows > kBlockM;
           if constexpr (kActFP4) {
             ptx::tma_load_2d(tile_b(stage), &tmap_acts, &full[stage], kb * (kBlockK / 2), t.row0);
@@ -635,7 +636,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           } else {
             ptx::tma_load_2d(tile_b(stage), &tmap_acts, &full[stage], kb * kBlockK, t.row0);
             if (wide)
-              ptx::tma_load_2d(tile_b(stage) + kBlockM * 128, &tmap_acts_tail, &full[stage], kb * kBlockK, t.row0 + kBlockM);
+              ptx::tma_load_2d(tile_b(stage) + kBlockM * 128, &tmap_acts_tail, &full[stage], kb * kBlockK,
+                               t.row0 + kBlockM);
             if (full_stage) {
               ptx::tma_load_2d(tile_b(stage) + kCols * 128, &tmap_acts, &full[stage], kb * kBlockK + 128, t.row0);
               if (wide)
@@ -867,11 +869,13 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       if (ctid < kCols) {
         const int col = ctid;
         if (col < ti.rows) {
-          if constexpr (kRecipe == ActRecipe::kNVFP4) ptx::cp_async_4(early_in.g + col, p.acts_global_sf + ti.row0 + col);
+          const int row = ti.row0 + col;
+          if constexpr (kRecipe == ActRecipe::kNVFP4) ptx::cp_async_4(early_in.g + col, p.acts_global_sf + row);
           if constexpr (kIsL1)
-            ptx::cp_async_4(early_in.w + col, reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset) + ti.row0 + col);
+            ptx::cp_async_4(early_in.w + col,
+                            reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset) + row);
           else
-            ptx::cp_async_4(early_in.src + col, reinterpret_cast<const int*>(p.buffer + l.pool_src_offset) + ti.row0 + col);
+            ptx::cp_async_4(early_in.src + col, reinterpret_cast<const int*>(p.buffer + l.pool_src_offset) + row);
         } else {
           early_in.g[col] = 0.0f, early_in.w[col] = 0.0f, early_in.src[col] = -1;  // columns past the rows
         }
@@ -1036,9 +1040,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         }
         fence_fragment(a);
         ptx::wgmma_fence();
-        // Only the tile's live token columns (live_cols: its rows rounded up to 8, at least 16; 8 or 16 at block_m 16): the
-        // wgmma's time scales with N (an expert's rows scatter around the mean: V4-Pro T=2048 puts ~32 rows in a
-        // 64-row block), and the columns past them stay zero (never stored). The same products for the live columns.
+        // Only the tile's live token columns (live_cols: its rows rounded up to 8, at least 16; 8, 16 or 24 at block_m
+        // 16): the wgmma's time scales with N (an expert's rows scatter around the mean: V4-Pro T=2048 puts ~32 rows in
+        // a 64-row block), and the columns past them stay zero (never stored). The same products for the live columns.
         auto issue = [&](auto width) {
 #pragma unroll
           for (int s = 0; s < 8; ++s) ptx::WgmmaBF16RS<decltype(width)::value>::run(acc[ls], a[s], desc_b[s]);
@@ -1362,7 +1366,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 }
 
 // Host: one instantiation's launch (defined here, instantiated by the per-layer .cu files).
-template <int kBlockM, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma, bool kSplitK = false, bool kWideTail = false>
+template <int kBlockM, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma, bool kSplitK = false,
+          bool kWideTail = false>
 void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cudaStream_t stream) {
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
   constexpr int kCols = heuristics::fp4_tile_cols(kBlockM, kWideTail);
