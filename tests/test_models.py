@@ -70,3 +70,9 @@ def test_warp_tile_decode_equals_binary_search():
     every tile of random expert-offset tables, empty experts included."""
     model = load("warp_tile_decode")
     assert model.check(num_tables=600) <= 3
+
+
+def test_token_blocks_with_tail_rows_cover_each_expert():
+    """Routing's token blocks with tail rows (FP8 block_m 64 + 16, FP4 block_m 16 + 8) and decode_tile_warp's rows
+    per block: each expert's rows exactly once, every block but the last full, the last within the tile's columns."""
+    load("warp_tile_decode").check_rows(max_count=300)

@@ -66,5 +66,40 @@ def check(num_tables: int = 1000, seed: int = 0) -> int:
     return most
 
 
+def expert_blocks(count: int, block_m: int, tail_rows: int) -> int:
+    """Token blocks of an expert with `count` rows (sm90_routing.cu): the last block may hold tail_rows more."""
+    return 0 if count == 0 else (max(count - tail_rows, 1) + block_m - 1) // block_m
+
+
+def block_rows(first_row: int, end_row: int, m_block: int, m_blocks: int, block_m: int):
+    """(row0, rows) of token block m_block of an expert's rows [first_row, end_row), as decode_tile_warp sets them."""
+    row0 = first_row + m_block * block_m
+    rows = end_row - row0 if m_block == m_blocks - 1 else min(block_m, end_row - row0)
+    return row0, rows
+
+
+def check_rows(max_count: int = 300) -> None:
+    """Every expert size up to max_count, for the token blocks and tails the kernels use (FP8: 16 past 64; FP4: 8 past
+    16) and without a tail: the blocks cover the expert's rows exactly once, in order; every block but the last holds
+    block_m rows and the last 1 to block_m + tail_rows (the kernels' tile columns); with a tail, no expert takes more
+    blocks than without one, and a block of its own for 1 to tail_rows rows past a full block never happens."""
+    for block_m, tail_rows in ((16, 0), (16, 8), (32, 0), (64, 0), (64, 16), (128, 0)):
+        for count in range(max_count + 1):
+            m_blocks = expert_blocks(count, block_m, tail_rows)
+            assert m_blocks <= expert_blocks(count, block_m, 0)
+            first_row = 7  # any offset
+            covered = first_row
+            for m in range(m_blocks):
+                row0, rows = block_rows(first_row, first_row + count, m, m_blocks, block_m)
+                assert row0 == covered and rows >= 1, (block_m, tail_rows, count, m)
+                assert rows == block_m if m < m_blocks - 1 else rows <= block_m + tail_rows, (block_m, count, m)
+                covered += rows
+            assert covered == first_row + count, (block_m, tail_rows, count)
+            if tail_rows and count > block_m and 0 < count % block_m <= tail_rows:
+                assert m_blocks == count // block_m, (block_m, tail_rows, count)
+
+
 if __name__ == "__main__":
     print(f"ok: warp search == binary search, at most {check()} rounds")
+    check_rows()
+    print("ok: token blocks with tail rows cover every expert's rows")
