@@ -882,12 +882,12 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       }
     };
     // ... and into this thread's registers, in the epilogue (after cp_async_wait_all and a consumer barrier).
-    auto read_early_inputs = [&](const TileInfo& ti) {
+    auto read_early_inputs = [&]() {
 #pragma unroll
       for (int j = 0; j < kCols / 4; ++j) {
         const int col = 8 * (j / 2) + 2 * q + (j % 2);
         col_f[j] = kRecipe == ActRecipe::kNVFP4 ? early_gw * early_in.g[col] : early_gw;
-        col_w[j] = early_in.w[col];
+        if constexpr (kIsL1) col_w[j] = early_in.w[col];
       }
       if constexpr (!kIsL1) {
         constexpr int kChunks = kCols * (kBlockN / 8);
@@ -897,7 +897,6 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           src[it] = c < kChunks ? early_in.src[c / (kBlockN / 8)] : -1;
         }
       }
-      (void)ti;
     };
     auto load_row_inputs = [&](const TileInfo& ti) {
       if constexpr (kIsL1) {
@@ -1148,7 +1147,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     if constexpr (kEarlyInSmem) ptx::cp_async_wait_all();  // this thread's early-input copies
     ptx::named_barrier_sync(1, kNumConsumerThreads);  // every consumer's wgmmas on `epi` have finished (and the copies)
     trace_phase(0);
-    if constexpr (kEarlyInSmem) read_early_inputs(t);
+    if constexpr (kEarlyInSmem) read_early_inputs();
     else if constexpr (!kEarlyEpilogueInputs) load_factors(t);
     if constexpr (kIsL1) {
       // SwiGLU: gate rows (even slice) with the matching up rows (the next slice). With one slice per consumer
