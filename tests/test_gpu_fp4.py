@@ -205,9 +205,10 @@ def test_narrow_mma_equals_full_width(weight_format, act_format, block_m, monkey
     assert rel_err(narrow, case.ref) <= TOL
 
 
+@pytest.mark.parametrize("weight_format,act_format", [("nvfp4", "fp4"), ("nvfp4", "fp8"), ("mxfp4", "fp8")])
 @pytest.mark.parametrize("hidden,inter", [(384, 256), (256, 1024), (1024, 1024)])
-def test_wide_tail_equals_no_tail(hidden, inter, monkeypatch):
-    """The wide-tail build (block_m 16, NVFP4 tokens, no split; by default from 11 expected rows per expert): an
+def test_wide_tail_equals_no_tail(weight_format, act_format, hidden, inter, monkeypatch):
+    """The wide-tail build (block_m 16, NVFP4 or FP8 tokens, no split; by default from 11 expected rows per expert): an
     expert's last token block takes up to 8 rows past 16, one m64n24 tile instead of a second tile.
     MEGAMOE_FP4_WIDE_TAIL=1 / =0 forces it on / off (the routing's token blocks show which ran). Each output's products
     and K order are the same, so the outputs are bitwise equal, with every GEMM output poisoned before each call (y,
@@ -217,7 +218,8 @@ def test_wide_tail_equals_no_tail(hidden, inter, monkeypatch):
     the shared-memory early inputs and token tiles are rewritten between tiles."""
     rows = [1, 8, 9, 15, 16, 17, 20, 23, 24, 25, 31, 32, 33, 40, 41, 47, 48, 49, 56, 57, 0, 12]
     e, k, t = len(rows), 1, sum(rows)
-    case = make_case(e, hidden, inter, k, t, "nvfp4", "fp4", device="cuda", seed=401 + hidden + inter, with_ref=False)
+    case = make_case(e, hidden, inter, k, t, weight_format, act_format, device="cuda", seed=401 + hidden + inter,
+                     with_ref=False)
     gen = torch.Generator().manual_seed(402 + hidden + inter)
     experts = torch.repeat_interleave(torch.arange(e), torch.tensor(rows))[torch.randperm(t, generator=gen)]
     case.topk_idx = experts.view(t, 1).to(device="cuda", dtype=case.topk_idx.dtype)
@@ -228,12 +230,12 @@ def test_wide_tail_equals_no_tail(hidden, inter, monkeypatch):
     def run(tail):
         monkeypatch.setenv("MEGAMOE_FP4_WIDE_TAIL", "1" if tail else "0")
         poison_gemm_outputs(case.buffer)
-        megamoe.pre_dispatch(case.x, case.topk_idx, case.topk_weights, case.buffer, weight_format="nvfp4")
+        megamoe.pre_dispatch(case.x, case.topk_idx, case.topk_weights, case.buffer, weight_format=weight_format)
         y = torch.full_like(case.x, float("nan"))
         # L1's float32 scratch is the op's first allocation, [t k, inter]: hand the caching allocator a NaN block of
         # that size just before the call.
         torch.full((t * k, inter), float("nan"), device="cuda")
-        megamoe.fp8_fp4_mega_moe(y, case.l1, case.l2, case.buffer, weight_format="nvfp4")
+        megamoe.fp8_fp4_mega_moe(y, case.l1, case.l2, case.buffer, weight_format=weight_format)
         blocks = case.buffer.view("tile_offset", (e + 1,), torch.int32).tolist()[e]
         assert blocks == sum((max(c - (8 if tail else 0), 1) + 15) // 16 for c in rows if c), f"tail {tail}"
         return y

@@ -191,7 +191,7 @@ inline bool fp4_narrow_mma() {
 // fp4_tile_cols), weight scales 256 rows x 16 bytes and token scales (at most 16 blocks x cols), each piece rounded up
 // to 1024 bytes (TMA 128B-swizzle alignment).
 constexpr int fp4_round_1k(int b) { return (b + 1023) / 1024 * 1024; }
-// FP4 wide last block: at block_m 16 with NVFP4 tokens and 11-13 expected rows per expert, an expert's last token
+// FP4 wide last block: at block_m 16 with NVFP4 or FP8 tokens and 11-13 expected rows per expert, an expert's last token
 // block holds up to 16 + 8 rows (routing tail_rows, as the FP8 kernel's wide block at 64), one m64n24 tile where a
 // second tile would decode the same 256 weight rows again for 1-8 rows; a build of its own (the kernel's kWideTail:
 // tiles of 24 token columns, early epilogue inputs in shared memory), so that the other sizes keep theirs.
@@ -203,12 +203,15 @@ constexpr int fp4_round_1k(int b) { return (b + 1023) / 1024 * 1024; }
 // 1.07-1.22 and V4-Pro 512 1.03-1.12: no tail there. Its own build for NVFP4 tokens
 // (-ab-fp4-wide-tail-nvfp4-tokens.json, 2 rounds, per replay / in a graph): V4-Flash T=512 (12 rows) 0.935 / 0.955,
 // V4-Pro 768 (12) 0.961 / 0.946, V4-Pro 640 (10) 1.024 / 1.021, hence from 11 rows; every other row (the other
-// builds) 0.98-1.025. MEGAMOE_FP4_WIDE_TAIL=0 / =1 (read per call; tests) turns it off / on wherever the build exists
-// (block_m 16, NVFP4 tokens, no split).
+// builds) 0.98-1.025. FP8 tokens got the build later with every tile on m64n24 (one stage body, no width branch; the
+// columns past a tile's rows are never stored): -1.5 to -2.5 % at the same rows, no other row past +0.8 %
+// (-ab-fp4-wide-tail-fp8-tokens.json; MXFP4 tokens have no build). MEGAMOE_FP4_WIDE_TAIL=0 / =1 (read per call;
+// tests) turns it off / on wherever the build exists (block_m 16, NVFP4 or FP8 tokens, no split).
 constexpr int kFp4TailRows = 8;
 constexpr int fp4_tile_cols(int block_m, bool wide_tail) { return block_m + (wide_tail ? kFp4TailRows : 0); }
-inline int fp4_tail_rows(int block_m, int64_t expected_rows, bool nvfp4_tokens, bool split_k) {
-  if (block_m != 16 || !nvfp4_tokens || split_k) return 0;
+// tail_tokens: the tokens' recipe has the build (NVFP4, or FP8 on the BF16 path; not MXFP4, not the FP8-wgmma path).
+inline int fp4_tail_rows(int block_m, int64_t expected_rows, bool tail_tokens, bool split_k) {
+  if (block_m != 16 || !tail_tokens || split_k) return 0;
   const char* env = std::getenv("MEGAMOE_FP4_WIDE_TAIL");
   if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1' ? kFp4TailRows : 0;
   return expected_rows >= 11 ? kFp4TailRows : 0;
@@ -239,7 +242,7 @@ constexpr int fp4_num_stages_for(int block_m, bool act_fp4, int cols) {
   return (227 * 1024 - fp4_fixed_bytes(block_m, cols)) / fp4_stage_bytes(cols, act_fp4);
 }
 static_assert(fp4_num_stages_for(16, false, 16) == 4 && fp4_num_stages_for(16, true, 16) == 5 &&
-                  fp4_num_stages_for(16, true, 24) == 4 &&
+                  fp4_num_stages_for(16, true, 24) == 4 && fp4_num_stages_for(16, false, 24) == 4 &&
                   fp4_num_stages_for(32, true, 32) == 4 && fp4_num_stages_for(64, false, 64) == 3,
               "FP4 stage counts");
 

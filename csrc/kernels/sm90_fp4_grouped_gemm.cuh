@@ -464,8 +464,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   // (routing tail_rows, heuristics::fp4_tail_rows; tmap_acts_tail loads them).
   constexpr int kCols = heuristics::fp4_tile_cols(kBlockM, kWideTail);
   constexpr int kTail = kCols - kBlockM;
-  static_assert(!kWideTail || (kBlockM == 16 && kRecipe == ActRecipe::kNVFP4 && !kFP8Mma && !kSplitK),
-                "the wide-tail build: block_m 16, NVFP4 tokens on the BF16 path, no split");
+  static_assert(!kWideTail || (kBlockM == 16 && kRecipe != ActRecipe::kMXFP4 && !kFP8Mma && !kSplitK),
+                "the wide-tail build: block_m 16, NVFP4 or FP8 tokens on the BF16 path, no split");
   using S = Smem<kBlockM, kCols, kActFP4>;
   constexpr int kNumBfTiles = S::kNumBfTiles;
   using Mma = ptx::WgmmaBF16RS<kCols>;
@@ -1003,7 +1003,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         }
       } else {
       // One stage's decode + wgmmas, at the tile's width: `fixed` > 0, or chosen inside the stage: 0 by live_cols
-      // (block_m 32 / 64), -1 among 8 / 16 / 24 (block_m 16 with NVFP4 tokens, the wide-tail build included).
+      // (block_m 32 / 64), -1 among 8 / 16 / 24 (block_m 16 with NVFP4 tokens, the wide-tail build included); the
+      // wide-tail build with FP8 tokens runs every tile at 24.
       // NOTES: in the wide-tail build three stage bodies chosen per tile (8 / 16 / 24) made ptxas serialise the
       // wgmmas for want of registers (C7511); with FP8 tokens a 16 / 24 branch inside the stage made it serialise
       // L1's (C7520), and two bodies ran 7-22 % slower at T = 1-128 (heuristics::fp4_tail_rows).
@@ -1081,8 +1082,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         // h100-2026-11-26d-ab-fp4-n8-all-recipes.json; not explained). Not in the split builds: L1 then spilled 12
         // bytes, and in L2 ptxas serialised every wgmma (C7520: an injected warpgroup arrive in a divergent path).
         // A wide tile (an expert's last block past 16 rows, kTail > 0) runs m64n24 into the whole fragment.
-        if constexpr (kNarrow8 || kTail > 0) bf16_stage(std::integral_constant<int, -1>{});
-        else bf16_stage(std::integral_constant<int, kBlockM>{});
+        // FP8 tokens in the wide-tail build: every tile on m64n24 (the columns past its rows are never stored); a
+        // width branch inside the stage made ptxas serialise the wgmmas (C7520), two stage bodies cost 7-22 %.
+        if constexpr (kNarrow8) bf16_stage(std::integral_constant<int, -1>{});
+        else bf16_stage(std::integral_constant<int, kCols>{});
       }
       }
       // The stage's weights and weight scales are in registers now: the producer may refill it.
@@ -1387,7 +1390,7 @@ void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cu
 template <bool kIsL1, bool kNV, bool kFP8Mma = false>
 void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int num_sms, cudaStream_t stream) {
   // Tail rows route blocks of up to block_m + tail_rows rows, which only the wide-tail build holds.
-  if (a.tail_rows != 0 && (a.tail_rows != heuristics::kFp4TailRows || block_m != 16 || a.recipe != ActRecipe::kNVFP4 ||
+  if (a.tail_rows != 0 && (a.tail_rows != heuristics::kFp4TailRows || block_m != 16 || a.recipe == ActRecipe::kMXFP4 ||
                            kFP8Mma || p.split_round > 0))
     throw std::runtime_error("megamoe: FP4 routing tail_rows = " + std::to_string(a.tail_rows) +
                              " needs the wide-tail build (tail_rows " + std::to_string(heuristics::kFp4TailRows) +
@@ -1395,9 +1398,10 @@ void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int
 // Split K of the last round (SplitPlan) is compiled for block_m 16 only (few tokens) and launched where the host gave a
 // workspace (heuristics::fp4_split_round): elsewhere the kernel without it, whose loops run K from 0 (the split-capable
 // build ran 3-6 % slower at T = 16 / 128 with no tile split; H100, 2026-11-26).
-// The wide-tail build (heuristics::fp4_tail_rows: block_m 16, NVFP4 tokens, no split) where the routing gave tail rows.
+// The wide-tail build (heuristics::fp4_tail_rows: block_m 16, NVFP4 or FP8 tokens, no split) where the routing gave
+// tail rows.
 #define MEGAMOE_FP4_LAUNCH_SPLIT(BM, RECIPE, FP8MMA)                                                              \
-  if constexpr (BM == 16 && RECIPE == ActRecipe::kNVFP4 && !FP8MMA)                                               \
+  if constexpr (BM == 16 && RECIPE != ActRecipe::kMXFP4 && !FP8MMA)                                               \
     if (p.split_round == 0 && a.tail_rows > 0)                                                                    \
       return launch_config<BM, kIsL1, kNV, RECIPE, FP8MMA, false, true>(a, p, num_sms, stream);                  \
   return BM == 16 && p.split_round > 0 ? launch_config<BM, kIsL1, kNV, RECIPE, FP8MMA, BM == 16>(a, p, num_sms, stream) \
