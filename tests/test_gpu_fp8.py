@@ -394,16 +394,19 @@ def skewed_case(case_args, seed_offset):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_launches"])
 @pytest.mark.parametrize("case_args", [(8, 256, 384, 1, 779, (1, 64, 65, 128, 129, 192, 200, 0)),
+                                       (16, 256, 384, 1, 1807, (1, 32, 33, 64, 65, 96, 97, 128, 129, 160, 161, 192,
+                                                                200, 224, 225, 0)),
                                        (5, 384, 256, 2, 333, (300, 0, 33, 0, 0)),
                                        (256, 4096, 2048, 6, 2048, ())],
                          ids=lambda a: "E{}H{}I{}K{}T{}".format(*a[:5]))
 def test_block_m_128_equals_64(case_args, fused, fused_env, monkeypatch):
-    """The 256 x 128 tile (block_m 128: one partial accumulator; an expert's last block of at most 64 rows on m64n64
-    wgmmas) computes every output with the 256 x 64 tile's arithmetic: bitwise equal outputs and recv_stats on
-    poisoned pools, in the fused launch and in two launches. Rows per expert cover 1, 64, 65, 128, 129, 192, 200
-    and empty experts, hidden 384 (the last L2 tile's upper half lies past the expert's rows) and V4-Flash at
-    T=2048 (48 rows per expert: mostly tail blocks). Routing counted 128-row blocks; the fused walk counted every
-    real block's L1 tiles."""
+    """The 256 x 128 tile (block_m 128: one partial accumulator; an expert's last block on m64n64 / n96 / n128 wgmmas
+    for 1-64 / 65-96 / 97-128 rows) computes every output with the 256 x 64
+    tile's arithmetic: bitwise equal outputs and recv_stats on poisoned pools, in the fused launch and in two
+    launches. Rows per expert cover every width's bounds in a first and a second block (1, 32, 33, 64, 65, 96, 97,
+    128, 129, 160, 161, 192, 200, 224, 225) and empty experts, hidden 384 (the last L2 tile's upper half lies past
+    the expert's rows) and V4-Flash at T=2048 (48 rows per expert: mostly tail blocks). Routing counted 128-row
+    blocks; the fused walk counted every real block's L1 tiles."""
     e, h, i, k, t, rows = case_args
     case = skewed_case(case_args, 11)
     fused_env(fused)

@@ -669,10 +669,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       const uint32_t a_lo = tile_a_desc_lo + (stage * Smem::kTileA + consumer * 128 * kBlockK) / 16;
       const uint32_t b_lo = tile_b_desc_lo + stage * (Smem::kTileB / 16);
       if constexpr (kOnePartial) {
-        // A tile of at most 64 tokens (an expert's last block) runs m64n64: half the MMA work. Its fragment is the
-        // first half of the m64n128 one (same columns), so the epilogue does not change.
+        // An expert's last block of at most 64 / 96 rows runs m64n64 / m64n96: half / three quarters of the MMA
+        // work. Each narrow fragment is the first registers of the m64n128 one (same columns; the rest stay 0 and are
+        // never stored), so the epilogue does not change. NOTES: H100 A/B (2026-11-26, docs/perf-notes.md, 25th
+        // session): n96 -2 % per replay and -6 % in a graph at V4-Flash T=3840 / 4096 (90 / 96 rows per expert),
+        // -1.7 % at V4-Pro 6144; an m64n32 for blocks of at most 32 rows gained nothing there.
         if (t.rows <= 64)
           one_partial_stage<ptx::WgmmaFP8<64>>(acc0, acc1, a_lo, b_lo, sc + kBlockN / 64, ws0, ws1, lane);
+        else if (t.rows <= 96)
+          one_partial_stage<ptx::WgmmaFP8<96>>(acc0, acc1, a_lo, b_lo, sc + kBlockN / 64, ws0, ws1, lane);
         else
           one_partial_stage<Mma>(acc0, acc1, a_lo, b_lo, sc + kBlockN / 64, ws0, ws1, lane);
         release(stage);
