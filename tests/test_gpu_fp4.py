@@ -86,10 +86,10 @@ def spread_ue8m0(sf: torch.Tensor, spread: int, seed: int) -> torch.Tensor:
     return (sf.view(torch.uint8).to(torch.int32) - drop).clamp(1, 254).to(torch.uint8)
 
 
-def scale_byte_case(act_format, scale_byte):
-    """A small MXFP4 case whose expert 3 has one weight scale byte set (one gate row, second 32-K block), and
-    the tokens routed to that expert."""
-    case = make_case(8, 256, 384, 2, 64, "mxfp4", act_format, device="cuda", masked_fraction=0.0, seed=12)
+def scale_byte_case(act_format, scale_byte, t=64):
+    """A small MXFP4 case (8 experts, top-2, t tokens) whose expert 3 has one weight scale byte set (one gate row,
+    second 32-K block), and the tokens routed to that expert."""
+    case = make_case(8, 256, 384, 2, t, "mxfp4", act_format, device="cuda", masked_fraction=0.0, seed=12)
     layer = dict(case.layer)
     w13_sf = layer["w13_sf"].clone()
     w13_sf.view(torch.uint8)[3, 5, 1] = scale_byte
@@ -101,16 +101,17 @@ def scale_byte_case(act_format, scale_byte):
     return case, hit
 
 
-@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
-def test_mxfp4_fp8_mma_default(act_format, monkeypatch):
-    """Without the switch, MXFP4 weights take the FP8-wgmma path with MXFP4 tokens (w4a4) and the BF16 path
-    with FP8 tokens (w4a8). A weight scale byte of 161 (2^34) tells them apart: the FP8-wgmma path computes it
-    exactly, the BF16 path (past its range) poisons the expert's tokens with NaN. The default's bits equal
-    those of the path forced by the switch."""
+@pytest.mark.parametrize("act_format,t,fp8_mma", [("fp8", 64, False), ("fp4", 64, True), ("fp4", 108, True),
+                                                  ("fp4", 112, False), ("fp4", 176, False), ("fp4", 180, True)])
+def test_mxfp4_fp8_mma_default(act_format, t, fp8_mma, monkeypatch):
+    """Without the switch, MXFP4 weights take the FP8-wgmma path with MXFP4 tokens (w4a4) outside 28-44 expected
+    rows per expert (8 experts, top-2: T = 108 is 27 rows, 112 is 28, 176 is 44, 180 is 45) and the BF16 path with
+    FP8 tokens (w4a8) or inside that band. A weight scale byte of 161 (2^34) tells them apart: the FP8-wgmma path
+    computes it exactly, the BF16 path (past its range) poisons the expert's tokens with NaN. The default's bits
+    equal those of the path forced by the switch."""
     monkeypatch.delenv("MEGAMOE_MXFP4_FP8MMA", raising=False)
-    case, hit = scale_byte_case(act_format, 161)
+    case, hit = scale_byte_case(act_format, 161, t)
     y = run_poisoned(case)
-    fp8_mma = act_format == "fp4"
     assert bool(torch.isfinite(y[hit]).all()) == fp8_mma
     assert rel_err(y[~hit], case.ref[~hit]) <= TOL
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1" if fp8_mma else "0")

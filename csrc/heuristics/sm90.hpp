@@ -162,11 +162,20 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
 // +30-50 % at prefill (the consumers' per-group scale chain and the converters' fold of every weight tile's
 // tokens: docs/perf-notes.md, eighth session), so the default takes it for MXFP4 tokens only. Again with FP8 tokens
 // after the converter warpgroup (H100, 2026-11-25, V4-Flash): +8 % / +11 % at T=2048 / 8192 in a graph.
+// With MXFP4 tokens, 28-44 expected rows per expert take the BF16 path: there block_m is 64 (token_block_for) and the
+// rows fill at most ~2/3 of it; the FP8-wgmma path runs every tile at m64n64, the BF16 path only as wide as the tile's
+// rows (fp4_narrow_mma, which the FP8-wgmma path does not have). H100 A/B
+// (2026-11-26, 2 rounds, BF16 path over the FP8-wgmma path, per replay / in a graph;
+// docs/bench/h100-2026-11-26f-ab-mxfp4-w4a4-bf16-path*.json): 32 rows (V4-Flash 1365, V4-Pro 2048) 0.929 / 0.913 and
+// 0.932 / 0.936, 36 (Flash 1536) 0.962 / 0.926, 40 (Pro 2560) 0.979 / 0.969, 48 (Flash 2048) 0.968-0.991 / 1.004-1.027;
+// against it 24 rows and fewer (1.007-1.087 at 8-24 rows but one 0.985), 60 (Flash 2560) 1.045 / 1.015, 128-192
+// (8192) 1.05. The paths round differently (the fold; both within the format tests' tolerance), so MXFP4 w4a4 output
+// bits depend on the token count's band.
 // MEGAMOE_MXFP4_FP8MMA=1 / =0 (read per call) forces it on / off for both.
-inline bool choose_mxfp4_fp8_mma(bool mxfp4_acts) {
+inline bool choose_mxfp4_fp8_mma(bool mxfp4_acts, int64_t expected_rows) {
   const char* env = std::getenv("MEGAMOE_MXFP4_FP8MMA");
   if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return mxfp4_acts;
+  return mxfp4_acts && !(expected_rows >= 28 && expected_rows <= 44);
 }
 
 // FP4 BF16 path: each tile's wgmmas are as wide as its rows rounded up to 8, at least 16 (m64n16, n24 ... n64;

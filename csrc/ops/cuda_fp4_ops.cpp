@@ -76,10 +76,11 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   }
   // ---- routing and gather (dispatch: every rank's tokens routed to this rank's experts). An expert's last token block
   // may hold tail rows past block_m where both GEMMs run a build with them (heuristics::fp4_tail_rows).
-  const bool fp8_mma = format == WeightFormat::kMXFP4 && heuristics::choose_mxfp4_fp8_mma(false);
+  const int64_t expected_rows = heuristics::fp4_expected_rows(t, l.top_k, e);
+  const bool fp8_mma = format == WeightFormat::kMXFP4 &&
+                       heuristics::choose_mxfp4_fp8_mma(recipe == ActRecipe::kMXFP4, expected_rows);
   const bool tail_tokens = nv_acts || (recipe == ActRecipe::kFP8UE8M0Block32 && !fp8_mma);
-  const int tail_rows = heuristics::fp4_tail_rows(cfg.block_m, heuristics::fp4_expected_rows(t, l.top_k, e),
-                                                  tail_tokens, round1 + round2 > 0);
+  const int tail_rows = heuristics::fp4_tail_rows(cfg.block_m, expected_rows, tail_tokens, round1 + round2 > 0);
   kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
                           recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream, tail_rows);
   kernels::launch_gather(buf, l, recipe, sms, stream, counters, counter_words);
@@ -108,7 +109,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g1.recipe = recipe;
   g1.activation_clamp = clamp;
   g1.fast_math = fast_math;
-  g1.fp8_mma = format == WeightFormat::kMXFP4 && heuristics::choose_mxfp4_fp8_mma(recipe == ActRecipe::kMXFP4);
+  g1.fp8_mma = fp8_mma;
   g1.tail_rows = tail_rows;
   g1.split_round = round1;
   g1.partials = partials;
