@@ -229,10 +229,8 @@ def test_pre_dispatch_matches_cpu_bitwise(weight_format, act_format):
 @pytest.fixture
 def fused_env(monkeypatch):
     def set_fused(on: bool):
-        if on:
-            monkeypatch.delenv("MEGAMOE_FP8_FUSED", raising=False)
-        else:
-            monkeypatch.setenv("MEGAMOE_FP8_FUSED", "0")
+        # "1": on one rank the default runs two launches where L1's tiles fit one round (the small shapes here).
+        monkeypatch.setenv("MEGAMOE_FP8_FUSED", "1" if on else "0")
     return set_fused
 
 
@@ -478,7 +476,7 @@ def test_pair_walk_equals_unpaired(case_args, monkeypatch):
     is off by default (slower today: csrc/heuristics/sm90.hpp); the third call checks the default too. tile_offset
     tells the walks apart: routing counts 128-row blocks for the pair walk, the default's blocks otherwise."""
     e, h, i, k, t, rows = case_args
-    monkeypatch.delenv("MEGAMOE_FP8_FUSED", raising=False)  # the pair walk runs in the fused launch
+    monkeypatch.setenv("MEGAMOE_FP8_FUSED", "1")  # the pair walk runs in the fused launch
     if e >= 256:
         release_gpu_memory()
     case = make_case(e, h, i, k, t, device="cuda", masked_fraction=0.1, seed=t + e + 7)

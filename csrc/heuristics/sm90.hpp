@@ -114,7 +114,7 @@ inline void print_config_once(const char* family, int64_t num_tokens, int64_t to
 }
 
 inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
-                                             int64_t intermediate, int64_t num_ranks = 1) {
+                                             int64_t intermediate, int64_t num_ranks = 1, int num_sms = 132) {
   // Expected rows per touched expert (token_block_for).
   const int64_t slots = num_tokens * top_k;
   const int64_t rows = slots <= num_experts ? 1 : (slots + num_experts - 1) / num_experts;
@@ -136,8 +136,16 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   // rows, 8192 is 384 — as 2048 tokens per rank at EP=8 would be. MEGAMOE_FP8_FUSED=1 / =0 forces one launch /
   // two everywhere (read per call: tests and bench_ep compare both in one process).
   const char* fused_env = std::getenv("MEGAMOE_FP8_FUSED");
+  // On one rank, two launches where L1's expected tiles fit one round of the grid (V4-Flash T=1: 96 tiles on 132
+  // SMs): all of L1 ends at once, so there is no L1 tail for L2 to overlap, and the walk's per-tile counting costs
+  // more than the second launch's ramp. H100 A/B (2026-11-26, docs/bench/h100-2026-11-26f-ab-fp8-fused-recheck.json,
+  // 2 rounds, two launches over one, per replay / in a graph): V4-Flash T=1 0.968 / 0.964, V4-Pro T=1 (144 tiles)
+  // 1.072 / 1.070, T = 16-8192 1.009-1.409 (8192: 1.24 / 1.41).
+  const double touched = double(num_experts) *
+                         (1.0 - std::pow(1.0 - std::min(1.0, double(top_k) / double(num_experts)), double(num_tokens)));
+  const bool one_round_l1 = touched * double((2 * intermediate + 255) / 256) <= double(num_sms);
   const bool forced = fused_env != nullptr && fused_env[0] == '1', off = fused_env != nullptr && fused_env[0] == '0';
-  c.fused = forced || (!off && (num_ranks == 1 || rows <= 96));
+  c.fused = forced || (!off && (num_ranks == 1 ? !one_round_l1 : rows <= 96));
   // NOTES: the pair walk (two CTAs of a cluster take two 64-row token blocks of one expert and TMA-multicast the
   // weight tile's halves into both) cuts the L2 -> SM bytes of a CTA-stage from 40 to 24 KB. Off by default: H100 A/B
   // (2026-11-25, docs/bench/h100-2026-11-25-ab-pairs-rejected.json) V4-Flash 4096 / 8192 +8 / +36 %, V4-Pro 8192

@@ -42,7 +42,7 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
   if (t == 0 && l.num_ranks == 1) return;
   const int sms = num_sms(y);
   const auto cfg =
-      heuristics::choose_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate, l.num_ranks);
+      heuristics::choose_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate, l.num_ranks, sms);
   uint8_t* buf = buffer_ptr(buffer);
   const uint64_t e = l.num_local_experts, h = l.hidden, inter = l.intermediate, rows = l.pool_rows;
   const auto bm = static_cast<uint32_t>(cfg.block_m);
