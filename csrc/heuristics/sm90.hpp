@@ -293,11 +293,19 @@ inline int fp4_split_round(int64_t num_tokens, int64_t top_k, int64_t num_expert
   return tiles > num_sms && tiles <= 3.0 * num_sms && last <= 0.5 * num_sms ? num_sms : 0;
 }
 
+// tail_tokens: as fp4_tail_rows's (the tokens' recipe has the wide-tail build). NOTES: with it, 14-15 expected rows stay
+// at block_m 16: an expert's rows up to 24 take one m64n24 tile, where block_m 32 runs a 32-row block. H100 A/B
+// (2026-11-26, 2 rounds, forced 16 over 32, per replay / in a graph; docs/bench/h100-2026-11-26f-ab-fp4-block16-*):
+// V4-Flash T=640 (15 rows) MXFP4 w4a8 0.921 / 0.936, NVFP4 w4a4 0.924 / 1.002, NVFP4 w4a8 0.950 / 0.952; V4-Pro 960
+// (15) 1.009 / 1.000, 0.969 / 0.978, 0.997 / 1.011; MXFP4 w4a4 (no wide-tail build) 1.05-1.11; at 23 rows 1.13-1.47.
 inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts,
-                                                 int64_t hidden, int64_t intermediate, bool act_fp4) {
+                                                 int64_t hidden, int64_t intermediate, bool act_fp4,
+                                                 bool tail_tokens) {
   GroupedGemmConfig c;
   const int64_t rows = fp4_expected_rows(num_tokens, top_k, num_experts);
-  c.block_m = forced_block_m("MEGAMOE_FP4_BLOCK_M", token_block_for(rows, 64), 64);
+  int block = token_block_for(rows, 64);
+  if (block == 32 && rows <= 15 && fp4_tail_rows(16, rows, tail_tokens, false) > 0) block = 16;
+  c.block_m = forced_block_m("MEGAMOE_FP4_BLOCK_M", block, 64);
   c.num_stages = fp4_num_stages_for(c.block_m, act_fp4, c.block_m);
   c.fused = false;  // the FP4 kernels run L1 and L2 as two launches
   c.pairs = false;

@@ -39,12 +39,18 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   const int sms = num_sms(y);
   const bool act_fp4 = l.act_fp4;
   const auto recipe = args.recipe;
-  const auto cfg =
-      heuristics::choose_fp4_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate, act_fp4);
+  const bool nv_acts = recipe == ActRecipe::kNVFP4;
+  // The path (BF16 decode or FP8 wgmmas for MXFP4 weights) and whether the tokens' recipe has the wide-tail build
+  // (heuristics::fp4_tail_rows): both by the expected rows per local expert.
+  const int64_t expected_rows = heuristics::fp4_expected_rows(t, l.top_k, l.num_local_experts);
+  const bool fp8_mma = format == WeightFormat::kMXFP4 &&
+                       heuristics::choose_mxfp4_fp8_mma(recipe == ActRecipe::kMXFP4, expected_rows);
+  const bool tail_tokens = nv_acts || (recipe == ActRecipe::kFP8UE8M0Block32 && !fp8_mma);
+  const auto cfg = heuristics::choose_fp4_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate,
+                                                       act_fp4, tail_tokens);
   uint8_t* buf = buffer_ptr(buffer);
   const uint64_t e = l.num_local_experts, h = l.hidden, inter = l.intermediate, rows = l.pool_rows;
   const auto bm = static_cast<uint32_t>(cfg.block_m);
-  const bool nv_acts = recipe == ActRecipe::kNVFP4;
 
   // The L2 input of NVFP4 activations has a per-row global scale over the whole I row: L1 stores float32
   // SwiGLU outputs here and a requantization kernel fills the pool (docs/decisions.md, FP4 kernels).
@@ -76,10 +82,6 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   }
   // ---- routing and gather (dispatch: every rank's tokens routed to this rank's experts). An expert's last token block
   // may hold tail rows past block_m where both GEMMs run a build with them (heuristics::fp4_tail_rows).
-  const int64_t expected_rows = heuristics::fp4_expected_rows(t, l.top_k, e);
-  const bool fp8_mma = format == WeightFormat::kMXFP4 &&
-                       heuristics::choose_mxfp4_fp8_mma(recipe == ActRecipe::kMXFP4, expected_rows);
-  const bool tail_tokens = nv_acts || (recipe == ActRecipe::kFP8UE8M0Block32 && !fp8_mma);
   const int tail_rows = heuristics::fp4_tail_rows(cfg.block_m, expected_rows, tail_tokens, round1 + round2 > 0);
   kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
                           recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream, tail_rows);
