@@ -178,12 +178,13 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
 // 0.932 / 0.936, 36 (Flash 1536) 0.962 / 0.926, 40 (Pro 2560) 0.979 / 0.969, 48 (Flash 2048) 0.968-0.991 / 1.004-1.027;
 // against it 24 rows and fewer (1.007-1.087 at 8-24 rows but one 0.985), 60 (Flash 2560) 1.045 / 1.015, 128-192
 // (8192) 1.05. The paths round differently (the fold; both within the format tests' tolerance), so MXFP4 w4a4 output
-// bits depend on the token count's band.
+// bits depend on the token count's band. One rank only: with peers each rank would judge the band by its own token
+// count, so ranks could round an expert's products differently from EP=1 (which the EP tests compare bitwise).
 // MEGAMOE_MXFP4_FP8MMA=1 / =0 (read per call) forces it on / off for both.
-inline bool choose_mxfp4_fp8_mma(bool mxfp4_acts, int64_t expected_rows) {
+inline bool choose_mxfp4_fp8_mma(bool mxfp4_acts, int64_t expected_rows, int64_t num_ranks) {
   const char* env = std::getenv("MEGAMOE_MXFP4_FP8MMA");
   if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return mxfp4_acts && !(expected_rows >= 28 && expected_rows <= 44);
+  return mxfp4_acts && !(num_ranks == 1 && expected_rows >= 28 && expected_rows <= 44);
 }
 
 // FP4 BF16 path: each tile's wgmmas are as wide as its rows rounded up to 8, at least 16 (m64n16, n24 ... n64;
