@@ -86,10 +86,10 @@ def spread_ue8m0(sf: torch.Tensor, spread: int, seed: int) -> torch.Tensor:
     return (sf.view(torch.uint8).to(torch.int32) - drop).clamp(1, 254).to(torch.uint8)
 
 
-def scale_byte_case(act_format, scale_byte, t=64):
-    """A small MXFP4 case (8 experts, top-2, t tokens) whose expert 3 has one weight scale byte set (one gate row,
-    second 32-K block), and the tokens routed to that expert."""
-    case = make_case(8, 256, 384, 2, t, "mxfp4", act_format, device="cuda", masked_fraction=0.0, seed=12)
+def scale_byte_case(act_format, scale_byte):
+    """A small MXFP4 case whose expert 3 has one weight scale byte set (one gate row, second 32-K block), and
+    the tokens routed to that expert."""
+    case = make_case(8, 256, 384, 2, 64, "mxfp4", act_format, device="cuda", masked_fraction=0.0, seed=12)
     layer = dict(case.layer)
     w13_sf = layer["w13_sf"].clone()
     w13_sf.view(torch.uint8)[3, 5, 1] = scale_byte
@@ -101,17 +101,16 @@ def scale_byte_case(act_format, scale_byte, t=64):
     return case, hit
 
 
-@pytest.mark.parametrize("act_format,t,fp8_mma", [("fp8", 64, False), ("fp4", 64, True), ("fp4", 108, True),
-                                                  ("fp4", 112, False), ("fp4", 176, False), ("fp4", 180, True)])
-def test_mxfp4_fp8_mma_default(act_format, t, fp8_mma, monkeypatch):
-    """Without the switch, MXFP4 weights take the FP8-wgmma path with MXFP4 tokens (w4a4) outside 28-44 expected
-    rows per expert (8 experts, top-2: T = 108 is 27 rows, 112 is 28, 176 is 44, 180 is 45) and the BF16 path with
-    FP8 tokens (w4a8) or inside that band. A weight scale byte of 161 (2^34) tells them apart: the FP8-wgmma path
-    computes it exactly, the BF16 path (past its range) poisons the expert's tokens with NaN. The default's bits
-    equal those of the path forced by the switch."""
+@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
+def test_mxfp4_fp8_mma_default(act_format, monkeypatch):
+    """Without the switch, MXFP4 weights take the FP8-wgmma path with MXFP4 tokens (w4a4) and the BF16 path
+    with FP8 tokens (w4a8). A weight scale byte of 161 (2^34) tells them apart: the FP8-wgmma path computes it
+    exactly, the BF16 path (past its range) poisons the expert's tokens with NaN. The default's bits equal
+    those of the path forced by the switch."""
     monkeypatch.delenv("MEGAMOE_MXFP4_FP8MMA", raising=False)
-    case, hit = scale_byte_case(act_format, 161, t)
+    case, hit = scale_byte_case(act_format, 161)
     y = run_poisoned(case)
+    fp8_mma = act_format == "fp4"
     assert bool(torch.isfinite(y[hit]).all()) == fp8_mma
     assert rel_err(y[~hit], case.ref[~hit]) <= TOL
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1" if fp8_mma else "0")
@@ -213,8 +212,10 @@ def test_wide_tail_equals_no_tail(weight_format, act_format, hidden, inter, monk
     expert's last token block takes up to 8 rows past 16, one m64n24 tile instead of a second tile.
     MEGAMOE_FP4_WIDE_TAIL=1 / =0 forces it on / off (the routing's token blocks show which ran). Each output's products
     and K order are the same, so the outputs are bitwise equal, with every GEMM output poisoned before each call (y,
-    the pool and combine area, L1's float32 scratch), for experts whose last block is narrow (1-8 rows: m64n8), 9-16
-    rows, wide (17-24 rows past the full blocks) or several blocks deep; also with MEGAMOE_FP4_NARROW_MMA=0. Hidden 384
+    the pool and combine area, L1's float32 scratch with NVFP4 tokens), for experts whose last block is narrow (1-8
+    rows: m64n8 with NVFP4 tokens; FP8 tokens run every tile of the build at m64n24), 9-16 rows, wide (17-24 rows past
+    the full blocks) or several blocks deep; also with MEGAMOE_FP4_NARROW_MMA=0 (a different build with NVFP4 tokens
+    only; with FP8 tokens it repeats the run). MXFP4 weights with FP8 tokens are pinned to the BF16 path. Hidden 384
     runs a partial last L1 stage; intermediate 1024 gives each CTA several L1 tiles (and L2 tiles at hidden 1024), so
     the shared-memory early inputs and token tiles are rewritten between tiles."""
     rows = [1, 8, 9, 15, 16, 17, 20, 23, 24, 25, 31, 32, 33, 40, 41, 47, 48, 49, 56, 57, 0, 12]
@@ -227,6 +228,7 @@ def test_wide_tail_equals_no_tail(weight_format, act_format, hidden, inter, monk
     case.ref = case.reference()
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", "16")
     monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "0")
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "0")  # the FP8-wgmma path has no wide-tail build
 
     def run(tail):
         monkeypatch.setenv("MEGAMOE_FP4_WIDE_TAIL", "1" if tail else "0")

@@ -224,7 +224,8 @@ def test_pre_dispatch_matches_cpu_bitwise(weight_format, act_format):
 
 
 # ------------------------------------------------------------------------------------------------
-# L1 and L2 in one launch (the default) vs two launches (MEGAMOE_FP8_FUSED=0, read per call)
+# L1 and L2 in one launch (the default on one rank where L1 takes more than one round of the grid; the tests that test
+# it force it with MEGAMOE_FP8_FUSED=1) vs two launches (MEGAMOE_FP8_FUSED=0, read per call)
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture
 def fused_env(monkeypatch):
@@ -255,7 +256,9 @@ def gemm_block_m(num_tokens, top_k, num_experts):
     forced = os.environ.get("MEGAMOE_FP8_BLOCK_M", "")
     if forced in ("16", "32", "64", "128"):
         block = int(forced)
-    fused = not os.environ.get("MEGAMOE_FP8_FUSED", "").startswith("0")
+    # The pair walk: only in the fused launch, which the pair tests force (MEGAMOE_FP8_FUSED=1; unset, small shapes
+    # run two launches).
+    fused = os.environ.get("MEGAMOE_FP8_FUSED", "").startswith("1")
     if fused and os.environ.get("MEGAMOE_FP8_PAIRS", "").startswith("1") and block == 128:
         block = 64
     return block
@@ -266,7 +269,7 @@ def tail_rows(block_m):
     MEGAMOE_FP8_WIDE_TAIL decide: 16 at block_m 64 outside the pair walk (MEGAMOE_FP8_PAIRS=1 in the fused launch)."""
     off = os.environ.get("MEGAMOE_FP8_WIDE_TAIL", "").startswith("0")
     pairs = (os.environ.get("MEGAMOE_FP8_PAIRS", "").startswith("1")
-             and not os.environ.get("MEGAMOE_FP8_FUSED", "").startswith("0"))
+             and os.environ.get("MEGAMOE_FP8_FUSED", "").startswith("1"))
     return 16 if block_m == 64 and not pairs and not off else 0
 
 

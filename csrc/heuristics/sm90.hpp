@@ -170,21 +170,16 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
 // +30-50 % at prefill (the consumers' per-group scale chain and the converters' fold of every weight tile's
 // tokens: docs/perf-notes.md, eighth session), so the default takes it for MXFP4 tokens only. Again with FP8 tokens
 // after the converter warpgroup (H100, 2026-11-25, V4-Flash): +8 % / +11 % at T=2048 / 8192 in a graph.
-// With MXFP4 tokens, 28-44 expected rows per expert take the BF16 path: there block_m is 64 (token_block_for) and the
-// rows fill at most ~2/3 of it; the FP8-wgmma path runs every tile at m64n64, the BF16 path only as wide as the tile's
-// rows (fp4_narrow_mma, which the FP8-wgmma path does not have). H100 A/B
-// (2026-11-26, 2 rounds, BF16 path over the FP8-wgmma path, per replay / in a graph;
-// docs/bench/h100-2026-11-26f-ab-mxfp4-w4a4-bf16-path*.json): 32 rows (V4-Flash 1365, V4-Pro 2048) 0.929 / 0.913 and
-// 0.932 / 0.936, 36 (Flash 1536) 0.962 / 0.926, 40 (Pro 2560) 0.979 / 0.969, 48 (Flash 2048) 0.968-0.991 / 1.004-1.027;
-// against it 24 rows and fewer (1.007-1.087 at 8-24 rows but one 0.985), 60 (Flash 2560) 1.045 / 1.015, 128-192
-// (8192) 1.05. The paths round differently (the fold; both within the format tests' tolerance), so MXFP4 w4a4 output
-// bits depend on the token count's band. One rank only: with peers each rank would judge the band by its own token
-// count, so ranks could round an expert's products differently from EP=1 (which the EP tests compare bitwise).
+// NOTES: not adopted (2026-11-26): at 28-44 expected rows per expert (block_m 64 at most ~2/3 full) the BF16 path's
+// narrow wgmmas beat this path's m64n64 by 0.5-10 % for w4a4 on one rank (H100, perf-notes, twenty-fifth session;
+// docs/bench/h100-2026-11-26f-ab-mxfp4-w4a4-*.json). The paths round differently, and a choice by token count breaks
+// EP's bitwise equality with EP=1 (each rank sees its own token count; tests/ep_cases.py), so the default stays by
+// recipe; MEGAMOE_MXFP4_FP8MMA=0 takes the BF16 path where that equality does not matter.
 // MEGAMOE_MXFP4_FP8MMA=1 / =0 (read per call) forces it on / off for both.
-inline bool choose_mxfp4_fp8_mma(bool mxfp4_acts, int64_t expected_rows, int64_t num_ranks) {
+inline bool choose_mxfp4_fp8_mma(bool mxfp4_acts) {
   const char* env = std::getenv("MEGAMOE_MXFP4_FP8MMA");
   if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return mxfp4_acts && !(num_ranks == 1 && expected_rows >= 28 && expected_rows <= 44);
+  return mxfp4_acts;
 }
 
 // FP4 BF16 path: each tile's wgmmas are as wide as its rows rounded up to 8, at least 16 (m64n16, n24 ... n64;
@@ -299,13 +294,17 @@ inline int fp4_split_round(int64_t num_tokens, int64_t top_k, int64_t num_expert
 // (2026-11-26, 2 rounds, forced 16 over 32, per replay / in a graph; docs/bench/h100-2026-11-26f-ab-fp4-block16-*):
 // V4-Flash T=640 (15 rows) MXFP4 w4a8 0.921 / 0.936, NVFP4 w4a4 0.924 / 1.002, NVFP4 w4a8 0.950 / 0.952; V4-Pro 960
 // (15) 1.009 / 1.000, 0.969 / 0.978, 0.997 / 1.011; MXFP4 w4a4 (no wide-tail build) 1.05-1.11; at 23 rows 1.13-1.47.
+// Not where block_m 16 would split K (few experts: fp4_split_round), which takes no tail rows.
 inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts,
-                                                 int64_t hidden, int64_t intermediate, bool act_fp4,
-                                                 bool tail_tokens) {
+                                                 int64_t hidden, int64_t intermediate, bool act_fp4, bool tail_tokens,
+                                                 int num_sms, int64_t num_ranks) {
   GroupedGemmConfig c;
   const int64_t rows = fp4_expected_rows(num_tokens, top_k, num_experts);
   int block = token_block_for(rows, 64);
-  if (block == 32 && rows <= 15 && fp4_tail_rows(16, rows, tail_tokens, false) > 0) block = 16;
+  if (block == 32 && rows <= 15 && fp4_tail_rows(16, rows, tail_tokens, false) > 0 &&
+      fp4_split_round(num_tokens, top_k, num_experts, (2 * intermediate + 255) / 256, 16, num_sms, num_ranks) == 0 &&
+      fp4_split_round(num_tokens, top_k, num_experts, (hidden + 255) / 256, 16, num_sms, num_ranks) == 0)
+    block = 16;
   c.block_m = forced_block_m("MEGAMOE_FP4_BLOCK_M", block, 64);
   c.num_stages = fp4_num_stages_for(c.block_m, act_fp4, c.block_m);
   c.fused = false;  // the FP4 kernels run L1 and L2 as two launches

@@ -41,13 +41,12 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   const auto recipe = args.recipe;
   const bool nv_acts = recipe == ActRecipe::kNVFP4;
   // The path (BF16 decode or FP8 wgmmas for MXFP4 weights) and whether the tokens' recipe has the wide-tail build
-  // (heuristics::fp4_tail_rows): both by the expected rows per local expert.
+  // (heuristics::fp4_tail_rows, from the expected rows per local expert).
   const int64_t expected_rows = heuristics::fp4_expected_rows(t, l.top_k, l.num_local_experts);
-  const bool fp8_mma = format == WeightFormat::kMXFP4 &&
-                       heuristics::choose_mxfp4_fp8_mma(recipe == ActRecipe::kMXFP4, expected_rows, l.num_ranks);
+  const bool fp8_mma = format == WeightFormat::kMXFP4 && heuristics::choose_mxfp4_fp8_mma(recipe == ActRecipe::kMXFP4);
   const bool tail_tokens = nv_acts || (recipe == ActRecipe::kFP8UE8M0Block32 && !fp8_mma);
   const auto cfg = heuristics::choose_fp4_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate,
-                                                       act_fp4, tail_tokens);
+                                                       act_fp4, tail_tokens, sms, l.num_ranks);
   uint8_t* buf = buffer_ptr(buffer);
   const uint64_t e = l.num_local_experts, h = l.hidden, inter = l.intermediate, rows = l.pool_rows;
   const auto bm = static_cast<uint32_t>(cfg.block_m);
