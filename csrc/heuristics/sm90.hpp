@@ -204,22 +204,23 @@ inline bool fp4_narrow_mma() {
 // fp4_tile_cols), weight scales 256 rows x 16 bytes and token scales (at most 16 blocks x cols), each piece rounded up
 // to 1024 bytes (TMA 128B-swizzle alignment).
 constexpr int fp4_round_1k(int b) { return (b + 1023) / 1024 * 1024; }
-// FP4 wide last block: at block_m 16 with NVFP4 or FP8 tokens and 11-13 expected rows per expert, an expert's last token
-// block holds up to 16 + 8 rows (routing tail_rows, as the FP8 kernel's wide block at 64), one m64n24 tile where a
-// second tile would decode the same 256 weight rows again for 1-8 rows; a build of its own (the kernel's kWideTail:
+// FP4 wide last block: at block_m 16 with NVFP4 or FP8 tokens and 11-15 expected rows per expert, an expert's last
+// token block holds up to 16 + 8 rows (routing tail_rows, as the FP8 kernel's wide block at 64), one m64n24 tile where
+// a second tile would decode the same 256 weight rows again for 1-8 rows; a build of its own (the kernel's kWideTail:
 // tiles of 24 token columns, early epilogue inputs in shared memory), so that the other sizes keep theirs.
-// NOTES: block_m 16 serves up to 13 expected rows, and the rows scatter around the mean: at V4-Flash T=512 (12 rows)
-// ~13 % of the experts overflow 16. H100 A/B of the tail for every recipe at block_m 16 (2026-11-26, 2 rounds, time
-// over main's per replay; docs/bench/h100-2026-11-26e-ab-fp4-wide-tail-all-recipes.json): NVFP4 w4a4 V4-Flash T=512
-// 0.917, V4-Pro 768 0.944, but V4-Pro 512 (8 rows) 1.048 and T = 16 / 128 1.02-1.05 (its tiles hold 4 stages, not 5);
-// with FP8 tokens (two stage bodies: a width branch inside the stage made ptxas serialise the wgmmas, C7520) T = 1-128
-// 1.07-1.22 and V4-Pro 512 1.03-1.12: no tail there. Its own build for NVFP4 tokens
-// (-ab-fp4-wide-tail-nvfp4-tokens.json, 2 rounds, per replay / in a graph): V4-Flash T=512 (12 rows) 0.935 / 0.955,
-// V4-Pro 768 (12) 0.961 / 0.946, V4-Pro 640 (10) 1.024 / 1.021, hence from 11 rows; every other row (the other
-// builds) 0.98-1.025. FP8 tokens got the build later with every tile on m64n24 (one stage body, no width branch; the
-// columns past a tile's rows are never stored): -1.5 to -2.5 % at the same rows, no other row past +0.8 %
-// (-ab-fp4-wide-tail-fp8-tokens.json; MXFP4 tokens have no build). MEGAMOE_FP4_WIDE_TAIL=0 / =1 (read per call;
-// tests) turns it off / on wherever the build exists (block_m 16, NVFP4 or FP8 tokens, no split).
+// NOTES: block_m 16 serves up to 13 expected rows (15 with the tail: choose_fp4_grouped_gemm), and the rows scatter
+// around the mean: at V4-Flash T=512 (12 rows) ~13 % of the experts overflow 16. H100 A/B of the tail for every recipe
+// at block_m 16 (2026-11-26, 2 rounds, time over main's per replay;
+// docs/bench/h100-2026-11-26e-ab-fp4-wide-tail-all-recipes.json): NVFP4 w4a4 V4-Flash T=512 0.917, V4-Pro 768 0.944,
+// but V4-Pro 512 (8 rows) 1.048 and T = 16 / 128 1.02-1.05 (its tiles hold 4 stages, not 5); with FP8 tokens (two stage
+// bodies: a width branch inside the stage made ptxas serialise the wgmmas, C7520) T = 1-128 1.07-1.22 and V4-Pro 512
+// 1.03-1.12: no tail there. Its own build for NVFP4 tokens (-ab-fp4-wide-tail-nvfp4-tokens.json, 2 rounds, per replay /
+// in a graph): V4-Flash T=512 (12 rows) 0.935 / 0.955, V4-Pro 768 (12) 0.961 / 0.946, V4-Pro 640 (10) 1.024 / 1.021,
+// hence from 11 rows; every other row (the other builds) 0.98-1.025. FP8 tokens got the build later with every tile on
+// m64n24 (one stage body, no width branch; the columns past a tile's rows are never stored): -1.5 to -2.5 % at the same
+// rows, no other row past +0.8 % (-ab-fp4-wide-tail-fp8-tokens.json; MXFP4 tokens have no build).
+// MEGAMOE_FP4_WIDE_TAIL=0 / =1 (read per call; tests) turns it off / on wherever the build exists (block_m 16, NVFP4 or
+// FP8 tokens, no split).
 constexpr int kFp4TailRows = 8;
 constexpr int fp4_tile_cols(int block_m, bool wide_tail) { return block_m + (wide_tail ? kFp4TailRows : 0); }
 // tail_tokens: the tokens' recipe has the build (NVFP4, or FP8 on the BF16 path; not MXFP4, not the FP8-wgmma path).
@@ -289,8 +290,8 @@ inline int fp4_split_round(int64_t num_tokens, int64_t top_k, int64_t num_expert
   return tiles > num_sms && tiles <= 3.0 * num_sms && last <= 0.5 * num_sms ? num_sms : 0;
 }
 
-// tail_tokens: as fp4_tail_rows's (the tokens' recipe has the wide-tail build). NOTES: with it, 14-15 expected rows stay
-// at block_m 16: an expert's rows up to 24 take one m64n24 tile, where block_m 32 runs a 32-row block. H100 A/B
+// tail_tokens: as fp4_tail_rows's (the tokens' recipe has the wide-tail build). NOTES: with it, 14-15 expected rows
+// stay at block_m 16: an expert's rows up to 24 take one m64n24 tile, where block_m 32 runs a 32-row block. H100 A/B
 // (2026-11-26, 2 rounds, forced 16 over 32, per replay / in a graph; docs/bench/h100-2026-11-26f-ab-fp4-block16-*):
 // V4-Flash T=640 (15 rows) MXFP4 w4a8 0.921 / 0.936, NVFP4 w4a4 0.924 / 1.002, NVFP4 w4a8 0.950 / 0.952; V4-Pro 960
 // (15) 1.009 / 1.000, 0.969 / 0.978, 0.997 / 1.011; MXFP4 w4a4 (no wide-tail build) 1.05-1.11; at 23 rows 1.13-1.47.

@@ -1394,7 +1394,8 @@ void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int
                            kFP8Mma || p.split_round > 0))
     throw std::runtime_error("megamoe: FP4 routing tail_rows = " + std::to_string(a.tail_rows) +
                              " needs the wide-tail build (tail_rows " + std::to_string(heuristics::kFp4TailRows) +
-                             ", block_m 16, NVFP4 or FP8 tokens on the BF16 path, no split K); got block_m " + std::to_string(block_m));
+                             ", block_m 16, NVFP4 or FP8 tokens on the BF16 path, no split K); got block_m " +
+                             std::to_string(block_m));
 // Split K of the last round (SplitPlan) is compiled for block_m 16 only (few tokens) and launched where the host gave a
 // workspace (heuristics::fp4_split_round): elsewhere the kernel without it, whose loops run K from 0 (the split-capable
 // build ran 3-6 % slower at T = 16 / 128 with no tile split; H100, 2026-11-26).
