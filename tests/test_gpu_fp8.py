@@ -402,9 +402,8 @@ def skewed_case(case_args, seed_offset):
                          ids=lambda a: "E{}H{}I{}K{}T{}".format(*a[:5]))
 def test_block_m_128_equals_64(case_args, fused, fused_env, monkeypatch):
     """The 256 x 128 tile (block_m 128: one partial accumulator; an expert's last block on m64n64 / n96 / n128 wgmmas
-    for 1-64 / 65-96 / 97-128 rows) computes every output with the 256 x 64
-    tile's arithmetic: bitwise equal outputs and recv_stats on poisoned pools, in the fused launch and in two
-    launches. Rows per expert cover every width's bounds in a first and a second block (1, 32, 33, 64, 65, 96, 97,
+    for 1-64 / 65-96 / 97-128 rows) computes every output with the 256 x 64 tile's arithmetic: bitwise equal outputs
+    and recv_stats on poisoned pools, in the fused launch and in two launches. Rows per expert cover every width's bounds in a first and a second block (1, 32, 33, 64, 65, 96, 97,
     128, 129, 160, 161, 192, 200, 224, 225) and empty experts, hidden 384 (the last L2 tile's upper half lies past
     the expert's rows) and V4-Flash at T=2048 (48 rows per expert: mostly tail blocks). Routing counted 128-row
     blocks; the fused walk counted every real block's L1 tiles."""
