@@ -113,6 +113,12 @@ inline void print_config_once(const char* family, int64_t num_tokens, int64_t to
                 c.num_stages, int(c.fused), int(c.pairs), c.tail_rows);
 }
 
+// Expected experts with at least one of num_tokens x top_k uniformly routed slots: E (1 - (1 - k / E)^T).
+inline double expected_touched_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts) {
+  const double miss = 1.0 - std::min(1.0, double(top_k) / double(num_experts));
+  return double(num_experts) * (1.0 - std::pow(miss, double(num_tokens)));
+}
+
 inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
                                              int64_t intermediate, int64_t num_ranks = 1, int num_sms = 132) {
   // Expected rows per touched expert (token_block_for).
@@ -141,9 +147,8 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   // more than the second launch's ramp. H100 A/B (2026-11-26, docs/bench/h100-2026-11-26f-ab-fp8-fused-recheck.json,
   // 2 rounds, two launches over one, per replay / in a graph): V4-Flash T=1 0.968 / 0.964, V4-Pro T=1 (144 tiles)
   // 1.072 / 1.070, T = 16-8192 1.009-1.409 (8192: 1.24 / 1.41).
-  const double touched = double(num_experts) *
-                         (1.0 - std::pow(1.0 - std::min(1.0, double(top_k) / double(num_experts)), double(num_tokens)));
-  const bool one_round_l1 = touched * double((2 * intermediate + 255) / 256) <= double(num_sms);
+  const bool one_round_l1 = expected_touched_experts(num_tokens, top_k, num_experts) *
+                                double((2 * intermediate + 255) / 256) <= double(num_sms);
   const bool forced = fused_env != nullptr && fused_env[0] == '1', off = fused_env != nullptr && fused_env[0] == '0';
   c.fused = forced || (!off && (num_ranks == 1 ? !one_round_l1 : rows <= 96));
   // NOTES: the pair walk (two CTAs of a cluster take two 64-row token blocks of one expert and TMA-multicast the
@@ -284,8 +289,7 @@ inline int fp4_split_round(int64_t num_tokens, int64_t top_k, int64_t num_expert
     std::fprintf(stderr, "megamoe: MEGAMOE_FP4_SPLIT_ROUND=%s ignored (expected 0, or 2 up to %d)\n", env, num_sms);
   }
   if (num_ranks != 1 || block_m != 16 || num_experts <= 0) return 0;
-  const double miss = 1.0 - std::min(1.0, double(top_k) / double(num_experts));
-  const double tiles = double(num_experts) * (1.0 - std::pow(miss, double(num_tokens))) * double(nblocks);
+  const double tiles = expected_touched_experts(num_tokens, top_k, num_experts) * double(nblocks);
   const double last = tiles - std::ceil(tiles / num_sms - 1.0) * num_sms;  // the last round's tiles
   return tiles > num_sms && tiles <= 3.0 * num_sms && last <= 0.5 * num_sms ? num_sms : 0;
 }
