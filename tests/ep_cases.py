@@ -93,10 +93,17 @@ class Layer:
         return x, idx, w
 
     def ep1(self, x, idx, w) -> torch.Tensor:
-        """The single-GPU result of the global batch (all experts, a plain buffer)."""
+        """The single-GPU result of the global batch (all experts, a plain buffer). Without the FP4 split K of the last
+        round, which only one rank takes (heuristics::fp4_split_round): its partial sums add in another order."""
         buf = megamoe.get_symm_buffer(None, self.num_experts, max(x.shape[0], 1), self.top_k, self.hidden,
                                       self.intermediate, act_format=self.act_format, device=self.device)
-        return megamoe.moe(x, idx, w, self.l1, self.l2, buf, weight_format=self.weight_format, check=True)
+        saved = os.environ.get("MEGAMOE_FP4_SPLIT_ROUND")
+        os.environ["MEGAMOE_FP4_SPLIT_ROUND"] = "0"
+        try:
+            return megamoe.moe(x, idx, w, self.l1, self.l2, buf, weight_format=self.weight_format, check=True)
+        finally:
+            os.environ.pop("MEGAMOE_FP4_SPLIT_ROUND") if saved is None else os.environ.__setitem__(
+                "MEGAMOE_FP4_SPLIT_ROUND", saved)
 
     def moe(self, x, idx, w, buf, **kw) -> torch.Tensor:
         """This rank's call of the fused layer on its own tokens."""
