@@ -17,6 +17,7 @@ or through ``tests/test_ep.py`` (pytest spawns the processes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import os
 import sys
@@ -39,6 +40,20 @@ SHAPES = {
 # bytes (every address computation must be 64-bit); not in the default --shapes (its EP=1 reference of the
 # full-capacity case runs ranks x 8192 tokens on each GPU).
 CAPACITY = {"small": 400, "medium": 400, "flash": 64, "flash-large": 8192}
+
+
+@contextlib.contextmanager
+def env_set(var: str, value: str):
+    """`var` = `value` inside the block (the ops read their MEGAMOE_* switches per call), restored after it."""
+    saved = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = saved
 
 
 def log(msg: str) -> None:
@@ -97,13 +112,8 @@ class Layer:
         round, which only one rank takes (heuristics::fp4_split_round): its partial sums add in another order."""
         buf = megamoe.get_symm_buffer(None, self.num_experts, max(x.shape[0], 1), self.top_k, self.hidden,
                                       self.intermediate, act_format=self.act_format, device=self.device)
-        saved = os.environ.get("MEGAMOE_FP4_SPLIT_ROUND")
-        os.environ["MEGAMOE_FP4_SPLIT_ROUND"] = "0"
-        try:
+        with env_set("MEGAMOE_FP4_SPLIT_ROUND", "0"):
             return megamoe.moe(x, idx, w, self.l1, self.l2, buf, weight_format=self.weight_format, check=True)
-        finally:
-            os.environ.pop("MEGAMOE_FP4_SPLIT_ROUND") if saved is None else os.environ.__setitem__(
-                "MEGAMOE_FP4_SPLIT_ROUND", saved)
 
     def moe(self, x, idx, w, buf, **kw) -> torch.Tensor:
         """This rank's call of the fused layer on its own tokens."""
@@ -168,14 +178,10 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_f
 
     # FP8: each rank picks one launch for L1 + L2 or two by its own token count (heuristics/sm90.hpp), so ranks
     # may differ: mixed modes, and two launches everywhere, give the same bits.
-    saved = os.environ.get("MEGAMOE_FP8_FUSED")
     for i, (name, fused_here) in enumerate((("one launch on even ranks, two on odd", rank % 2 == 0),
                                             ("two launches on every rank", False))):
-        os.environ["MEGAMOE_FP8_FUSED"] = "1" if fused_here else "0"
-        try:
+        with env_set("MEGAMOE_FP8_FUSED", "1" if fused_here else "0"):
             run_case(layer, buf, name, uneven, 150 + i)
-        finally:
-            os.environ.pop("MEGAMOE_FP8_FUSED") if saved is None else os.environ.__setitem__("MEGAMOE_FP8_FUSED", saved)
         log(f"[{shape}] {name} (tokens per rank {uneven}): bitwise equal to EP=1")
 
     # Against the emulating float reference as well (not only against EP=1).
