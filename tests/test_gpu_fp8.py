@@ -256,21 +256,23 @@ def gemm_block_m(num_tokens, top_k, num_experts):
     forced = os.environ.get("MEGAMOE_FP8_BLOCK_M", "")
     if forced in ("16", "32", "64", "128"):
         block = int(forced)
-    # The pair walk: only in the fused launch, which the pair tests force (MEGAMOE_FP8_FUSED=1; unset, small shapes
-    # run two launches).
-    fused = os.environ.get("MEGAMOE_FP8_FUSED", "").startswith("1")
-    if fused and os.environ.get("MEGAMOE_FP8_PAIRS", "").startswith("1") and block == 128:
+    if pair_walk() and block == 128:
         block = 64
     return block
 
 
+def pair_walk():
+    """MEGAMOE_FP8_PAIRS=1 in the fused launch, which the pair tests force (MEGAMOE_FP8_FUSED=1; unset, small shapes
+    run two launches)."""
+    return (os.environ.get("MEGAMOE_FP8_PAIRS", "").startswith("1")
+            and os.environ.get("MEGAMOE_FP8_FUSED", "").startswith("1"))
+
+
 def tail_rows(block_m):
     """Rows an expert's last token block may hold beyond block_m, as csrc/heuristics/sm90.hpp (fp8_tail_rows) and
-    MEGAMOE_FP8_WIDE_TAIL decide: 16 at block_m 64 outside the pair walk (MEGAMOE_FP8_PAIRS=1 in the fused launch)."""
+    MEGAMOE_FP8_WIDE_TAIL decide: 16 at block_m 64 outside the pair walk (pair_walk)."""
     off = os.environ.get("MEGAMOE_FP8_WIDE_TAIL", "").startswith("0")
-    pairs = (os.environ.get("MEGAMOE_FP8_PAIRS", "").startswith("1")
-             and os.environ.get("MEGAMOE_FP8_FUSED", "").startswith("1"))
-    return 16 if block_m == 64 and not pairs and not off else 0
+    return 16 if block_m == 64 and not pair_walk() and not off else 0
 
 
 def routing_blocks(case, block_m, tail=None):
@@ -403,10 +405,10 @@ def skewed_case(case_args, seed_offset):
 def test_block_m_128_equals_64(case_args, fused, fused_env, monkeypatch):
     """The 256 x 128 tile (block_m 128: one partial accumulator; an expert's last block on m64n64 / n96 / n128 wgmmas
     for 1-64 / 65-96 / 97-128 rows) computes every output with the 256 x 64 tile's arithmetic: bitwise equal outputs
-    and recv_stats on poisoned pools, in the fused launch and in two launches. Rows per expert cover every width's bounds in a first and a second block (1, 32, 33, 64, 65, 96, 97,
-    128, 129, 160, 161, 192, 200, 224, 225) and empty experts, hidden 384 (the last L2 tile's upper half lies past
-    the expert's rows) and V4-Flash at T=2048 (48 rows per expert: mostly tail blocks). Routing counted 128-row
-    blocks; the fused walk counted every real block's L1 tiles."""
+    and recv_stats on poisoned pools, in the fused launch and in two launches. Rows per expert cover every width's
+    bounds in a first and a second block (1, 32, 33, 64, 65, 96, 97, 128, 129, 160, 161, 192, 200, 224, 225) and empty
+    experts, hidden 384 (the last L2 tile's upper half lies past the expert's rows) and V4-Flash at T=2048 (48 rows per
+    expert: mostly tail blocks). Routing counted 128-row blocks; the fused walk counted every real block's L1 tiles."""
     e, h, i, k, t, rows = case_args
     case = skewed_case(case_args, 11)
     fused_env(fused)

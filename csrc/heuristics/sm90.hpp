@@ -190,8 +190,8 @@ inline bool choose_mxfp4_fp8_mma(bool mxfp4_acts) {
 // FP4 BF16 path: each tile's wgmmas are as wide as its rows rounded up to 8, at least 16 (m64n16, n24 ... n64;
 // block_m 16: n8 for up to 8 rows), not the whole block (sm90_fp4_grouped_gemm.cuh, live_cols).
 // MEGAMOE_FP4_NARROW_MMA=0 (read per call; tests) runs every tile at the block's width. NOTES: H100 A/B of the
-// block_m 32 / 64 part (2026-11-26, 2 rounds, every FP4 pair; docs/bench/h100-2026-11-26d-ab-fp4-narrow-mma.json; time per replay / in a graph): V4-Pro T=2048 (~32 rows)
-// -6 to -11 % / -7 to -11 % on the BF16 path, V4-Flash 2048 (~48) -2 to -8 % / -1 to -3 %, 4096 -1 to -5 %, 8192 and
+// block_m 32 / 64 part (2026-11-26, 2 rounds, every FP4 pair; docs/bench/h100-2026-11-26d-ab-fp4-narrow-mma.json;
+// time per replay / in a graph): V4-Pro T=2048 (~32 rows) -6 to -11 % / -7 to -11 % on the BF16 path, V4-Flash 2048 (~48) -2 to -8 % / -1 to -3 %, 4096 -1 to -5 %, 8192 and
 // T=1024 within +-2.6 %; bitwise equal. m64n8 at block_m 16 (NVFP4 tokens only; -ab-fp4-n8-nvfp4-tokens.json): T=128
 // -3 to -8 %, V4-Pro 512 -2 to -6 %; with FP8 tokens it was 2-7 % slower (-ab-fp4-n8-all-recipes.json), so off there.
 // The block_m cuts (token_block_for) re-measured with narrow wgmmas: unchanged (-ab-fp4-block-m-with-narrow-mma.json).
