@@ -20,6 +20,8 @@ Two more FP8 patches keep the results exact; they change how the stage's scale c
 FP4 kernel (docs/perf-notes.md: its decode tiles run at 1.2-1.3x the weight-byte floor, issue-heavy consumers):
   fp4-no-convert     the converter warps skip the token tile's conversion / fold (barriers as before): the consumers
                      multiply whatever the bf16 / E4M3 tile holds
+  fp4-half-convert   the converters convert only the tiles of even weight blocks (odd ones multiply whatever the bf16 /
+                     E4M3 tile holds): the ceiling of sharing one conversion between two CTAs of a cluster
   fp4-no-decode      the consumers' E2M1 bit placement becomes one XOR per register (BF16 path: mask, IMAD, mask per
                      bf16 pair; FP8-wgmma path: the PRMT table lookups and sign spreading); the scale multiply stays
   fp4-no-weight-tma  no weight tile (its bytes leave the stage's expect_tx; scales still copied)
@@ -110,6 +112,10 @@ PATCHES = {
     "fp4-no-convert": [
         ("          for (int u = ctid; u < units; u += R::kConverterWarps * 32) {",
          "          for (int u = ctid; false && u < units; u += R::kConverterWarps * 32) {"),
+    ],
+    "fp4-half-convert": [
+        ("            units = (tile_infos[stage].rows * 8 + 31) / 32 * 32;",
+         "            units = tile_infos[stage].n_block % 2 ? 0 : (tile_infos[stage].rows * 8 + 31) / 32 * 32;"),
     ],
     "fp4-no-decode": [
         ("  return (x * ((1u << (6 - 4 * pp)) + (1u << (12 - 4 * pp)))) & 0x81C081C0u;",
