@@ -39,10 +39,10 @@
 // Limits of that split: MXFP4 weight scales up to 2^33 and activations up to 2^95 (real weights have
 // scales near 2^-7, activations are bf16 model values).
 //
-// FP8-wgmma path (kFP8Mma, MXFP4 weights; MEGAMOE_MXFP4_FP8MMA=1 while unmeasured): per row and 128-K group,
-// E = the largest of its four UE8M0 scales; each 32-K sub-block's weights are decoded to the E4M3 bytes of
-// e2m1 x 2^-(E - e_j) by one PRMT table lookup per 4 weights (exact while E - e_j <= 8, rounded to nearest
-// even below that), the converters fold the tokens the same way into an E4M3 tile (x x 2^-(T - t_j), T the
+// FP8-wgmma path (kFP8Mma, MXFP4 weights; the default with MXFP4 tokens, heuristics::choose_mxfp4_fp8_mma): per
+// row and 128-K group, E = the largest of its four UE8M0 scales; each 32-K sub-block's weights are decoded to the
+// E4M3 bytes of e2m1 x 2^-(E - e_j) by one PRMT table lookup per 4 weights (exact while E - e_j <= 8, rounded to
+// nearest even below that), the converters fold the tokens the same way into an E4M3 tile (x x 2^-(T - t_j), T the
 // token's largest scale of the group), four k32 wgmmas per group go into a partial accumulator, and the
 // promotion multiplies it by 2^(E - 127) x 2^(T - 127). Half the wgmma instructions of the BF16 path at twice
 // the tensor rate, 1.25 decode instructions per weight instead of ~2.5. Decode and K order: bit model
