@@ -79,6 +79,41 @@ def test_mxfp4_fp8_mma_path(act_format, shape, num_tokens, monkeypatch):
         assert not torch.equal(y, bf16)
 
 
+@pytest.mark.parametrize("block_m", ["16", "16-split", "32", "64"])
+@pytest.mark.parametrize("hidden,inter,spread", [(384, 256, 0), (640, 896, 3), (1024, 1024, 12)])
+def test_mxfp4_fp8_mma_gather_fold_equals_kernel_fold(block_m, hidden, inter, spread, monkeypatch):
+    """FP8-wgmma path with FP8 tokens: L1's tokens folded per 128-K group by the gather as it copies them
+    (MEGAMOE_MXFP4_FOLD_TOKENS=1: fold_fp8_group, E4M3 rows in the tile's order and one float factor per group) give
+    the E4M3 tiles and factors the kernel's converters fold (=0), so the outputs are bitwise equal: with every GEMM
+    output poisoned before each call, experts of 1-100 rows and one empty, block_m 16 (also with split K of the last
+    round) / 32 / 64, partial L1 stages (hidden 384, 640), several L1 tiles per CTA, and token scales spread over
+    2^0..2^spread within each 128-K group (12: past E4M3's range, so the fold rounds)."""
+    rows = [1, 8, 9, 15, 16, 17, 24, 33, 48, 64, 65, 100, 0, 12]
+    e, k, t = len(rows), 1, sum(rows)
+    case = make_case(e, hidden, inter, k, t, "mxfp4", "fp8", device="cuda", seed=601 + hidden + spread,
+                     with_ref=False)
+    gen = torch.Generator().manual_seed(602 + hidden)
+    experts = torch.repeat_interleave(torch.arange(e), torch.tensor(rows))[torch.randperm(t, generator=gen)]
+    case.topk_idx = experts.view(t, 1).to(device="cuda", dtype=case.topk_idx.dtype)
+    if spread:  # per-channel magnitudes 2^0..2^spread, so each 128-K group's four UE8M0 token scales differ
+        chan = torch.arange(hidden, device="cuda") // 32 % 4
+        case.x = (case.x.float() * torch.exp2(chan.float() * spread / 3)).to(case.x.dtype)
+    case.ref = case.reference()
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
+    monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", block_m.split("-")[0])
+    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "2" if block_m.endswith("split") else "0")
+
+    def run(fold):
+        monkeypatch.setenv("MEGAMOE_MXFP4_FOLD_TOKENS", "1" if fold else "0")
+        poison_gemm_outputs(case.buffer)
+        return run_poisoned(case)
+
+    kernel_fold, gather_fold = run(False), run(True)
+    assert torch.equal(gather_fold, kernel_fold)
+    assert torch.equal(run(True), gather_fold)
+    assert rel_err(gather_fold, case.ref) <= 5e-2
+
+
 def spread_ue8m0(sf: torch.Tensor, spread: int, seed: int) -> torch.Tensor:
     """The same UE8M0 scales with each 32-block's exponent lowered by 0..spread."""
     gen = torch.Generator().manual_seed(seed)

@@ -187,6 +187,18 @@ inline bool choose_mxfp4_fp8_mma(bool mxfp4_acts) {
   return mxfp4_acts;
 }
 
+// FP8-wgmma path (MXFP4 weights) with FP8 tokens: the gather folds L1's tokens per 128-K group (one factor each) as it
+// copies them, instead of every L1 tile's converter warps folding its tokens again (launch_gather's fold). Same
+// folded values, so the same bits. MEGAMOE_MXFP4_FOLD_TOKENS=0 (read per call) folds in the kernel.
+// NOTES: H100, 2026-11-26, MXFP4 w4a8 forced onto the FP8-wgmma path, 1 round, per replay, over the BF16 path (the
+// default; docs/bench/h100-2026-11-26h-ab-mxfp4-fp8mma-gather-fold.json): folding in the gather 0.90-0.94 at T=8192,
+// 0.97-1.03 at 512-2048, 0.98-1.00 at 1-128; folding in the kernel 1.05-1.06 / 1.00-1.11 / 0.98-0.99. The gather fold
+// is 9-15 % faster than the kernel's from T=512 on, and no slower below.
+inline bool fp4_folded_tokens() {
+  const char* env = std::getenv("MEGAMOE_MXFP4_FOLD_TOKENS");
+  return env == nullptr || env[0] != '0';
+}
+
 // FP4 BF16 path: each tile's wgmmas are as wide as its rows rounded up to 8, at least 16 (m64n16, n24 ... n64;
 // block_m 16: n8 for up to 8 rows), not the whole block (sm90_fp4_grouped_gemm.cuh, live_cols).
 // MEGAMOE_FP4_NARROW_MMA=0 (read per call; tests) runs every tile at the block's width. NOTES: H100 A/B of the

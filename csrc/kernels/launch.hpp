@@ -24,9 +24,10 @@ void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int ran
                     int* recv_stats, cudaStream_t stream, int tail_rows = 0);
 
 // Gather: copy each pool row's token (packed row, scales K-block-major, NVFP4 per-token global scale)
-// into the dispatch area, in the layout of `recipe`.
+// into the dispatch area, in the layout of `recipe`. fold (FP8 tokens with UE8M0 scales per 32, for the FP8-wgmma FP4
+// path): each 128-K group folded to one float factor (fold_fp8_group), rows in the kernel's E4M3 tile order.
 void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, ActRecipe recipe, int num_sms,
-                   cudaStream_t stream, int* zero_words = nullptr, int num_zero_words = 0);
+                   cudaStream_t stream, int* zero_words = nullptr, int num_zero_words = 0, bool fold = false);
 
 // Combine: (EP: barrier 1, then) y[t] = sum over valid slots of combine[t, k] (float32, slot order) -> bf16.
 void launch_combine(void* y, uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens,
@@ -82,6 +83,9 @@ struct Fp4GroupedGemmArgs {
   // The routing's tail rows (heuristics::fp4_tail_rows): > 0 launches the wide-tail build (an expert's last block of up
   // to block_m + tail_rows rows). It must be what launch_routing got, for both GEMMs.
   int tail_rows = 0;
+  // L1 on the FP8-wgmma path with FP8 tokens: the gather folded them (launch_gather's fold): acts_sf holds float
+  // factors [k / 128, pool_rows] and the rows are in the kernel's E4M3 tile order (heuristics::fp4_folded_tokens).
+  bool folded_tokens = false;
 };
 void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
                              int block_m, int num_sms, cudaStream_t stream);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -236,6 +237,44 @@ __device__ __forceinline__ void ep_wait(uint8_t* buffer, const layout::BufferLay
 // path. fmaxf / fminf return the other operand for a NaN (IEEE maxNum): a NaN activation then vanished into
 // a finite scale or a clamp bound and the output came out finite, while the reference (torch amax / clamp)
 // turns the block's scale into NaN. Found by the extreme-scale GPU test (2026-11-22).
+// UE8M0 byte -> 2^(b - 127) (0: 2^-127, a float subnormal; 255: NaN).
+__device__ __forceinline__ float ue8m0_float(uint32_t b) {
+  return __uint_as_float(b == 255 ? 0x7FC00000u : b == 0 ? 0x00400000u : b << 23);
+}
+
+// Four E4M3 values x f (a power of two, so the product rounds once, to nearest even) -> E4M3.
+__device__ __forceinline__ uint32_t fold_e4m3x4(uint32_t v, float f) {
+  const float2 a = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xFFFF), __NV_E4M3)));
+  const float2 b = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v >> 16), __NV_E4M3)));
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a.x * f, a.y * f), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(b.x * f, b.y * f), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
+// One 128-K group of an FP8 (E4M3, UE8M0 per 32) token row folded for the FP8-wgmma FP4 path: quarter q's values x
+// 2^-(T - t_q), T the largest of the four scales, so that one factor 2^(T - 127) per group scales them all (rounded
+// where a value falls below E4M3's range relative to T). `in`: the group's 128 bytes in K order; `out`: the same bytes in
+// the kernel's E4M3 tile order (16-byte chunk c, word q = quarter q's word c: the wgmma K order, file comment of
+// sm90_fp4_grouped_gemm.cuh). Returns T. The kernel's converters (fold_token_unit) fold the same way, bit for bit.
+__device__ __forceinline__ uint32_t fold_fp8_group(const uint4 (&in)[8], uint32_t scales4, uint4 (&out)[8]) {
+  uint32_t t[4], tmax = 0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) t[q] = (scales4 >> (8 * q)) & 0xFF, tmax = max(tmax, t[q]);
+  uint32_t o[8][4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int d = static_cast<int>(tmax - t[q]);
+    const float f = __uint_as_float(d >= 127 ? 0u : uint32_t(127 - d) << 23);
+    const uint32_t w[8] = {in[2 * q].x, in[2 * q].y, in[2 * q].z, in[2 * q].w,
+                           in[2 * q + 1].x, in[2 * q + 1].y, in[2 * q + 1].z, in[2 * q + 1].w};
+#pragma unroll
+    for (int c = 0; c < 8; ++c) o[c][q] = d == 0 ? w[c] : fold_e4m3x4(w[c], f);
+  }
+#pragma unroll
+  for (int c = 0; c < 8; ++c) out[c] = make_uint4(o[c][0], o[c][1], o[c][2], o[c][3]);
+  return tmax;
+}
+
 __device__ __forceinline__ float max_nan(float a, float b) {
   float d;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));

@@ -43,10 +43,11 @@
 // row and 128-K group, E = the largest of its four UE8M0 scales; each 32-K sub-block's weights are decoded to the
 // E4M3 bytes of e2m1 x 2^-(E - e_j) by one PRMT table lookup per 4 weights (exact while E - e_j <= 8, rounded to
 // nearest even below that), the converters fold the tokens the same way into an E4M3 tile (x x 2^-(T - t_j), T the
-// token's largest scale of the group), four k32 wgmmas per group go into a partial accumulator, and the
-// promotion multiplies it by 2^(E - 127) x 2^(T - 127). Half the wgmma instructions of the BF16 path at twice
-// the tensor rate, 1.25 decode instructions per weight instead of ~2.5. Decode and K order: bit model
-// docs/models/mxfp4_fp8_decode.py; error of the fold: benchmarks/fold_error.py (docs/perf-notes.md).
+// token's largest scale of the group; L1's FP8 tokens are folded by the gather instead, heuristics::fp4_folded_tokens,
+// and the wgmmas read the stage's token tile as the TMA left it), four k32 wgmmas per group go into a partial
+// accumulator, and the promotion multiplies it by 2^(E - 127) x 2^(T - 127). Half the wgmma instructions of the
+// BF16 path at twice the tensor rate, 1.25 decode instructions per weight instead of ~2.5. Decode and K order: bit
+// model docs/models/mxfp4_fp8_decode.py; error of the fold: benchmarks/fold_error.py (docs/perf-notes.md).
 #pragma once
 
 #include <cuda.h>
@@ -119,6 +120,10 @@ struct Params {
   bool fast_math;
   bool wide_scale_copies;  // k % 256 == 0 and weights_sf 16-byte aligned: one copy per scale row and stage
   bool narrow_mma;         // BF16 path: wgmmas only as wide as the tile's rows (heuristics::fp4_narrow_mma)
+  // FP8-wgmma path, FP8 tokens: the gather folded them (launch_gather's fold: E4M3 rows in the tile's order, float
+  // factors [k / 128, pool_rows] at acts_sf), so the consumers multiply the token tile as it lands and the
+  // converters have nothing to do (heuristics::fp4_folded_tokens).
+  bool folded_tokens;
   // Split K of the last round (see SplitPlan); split_round 0: off (no workspace).
   int split_round;      // the tiles of one round (the grid; tests force fewer)
   float* partials;      // [split_round units][kSlices * kRegs][consumer threads]: each split unit's accumulators
@@ -359,11 +364,6 @@ __device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t w, uint2 t, uint32_t& lo
   hi = ptx::prmt(t.x, t.y, (w >> 16) & 0x7777u) | (ptx::prmt(w, x4, 0xBFAEu) & 0x80808080u);
 }
 
-// UE8M0 byte -> 2^(b - 127) (0: 2^-127, a float subnormal; 255: NaN).
-__device__ __forceinline__ float ue8m0_float(uint32_t b) {
-  return __uint_as_float(b == 255 ? 0x7FC00000u : b == 0 ? 0x00400000u : b << 23);
-}
-
 // Decodes this thread's part of one (128-K group, 64-row slice) for the FP8-wgmma path: rows r and r + 8 of the slice,
 // 32 K each (sub-block q of the group), into the register A fragments of the group's 4 k32 steps, each weight folded
 // relative to its row's largest scale of the group (quad shuffles; fold table by the difference); fa / fb = the two
@@ -388,15 +388,6 @@ __device__ __forceinline__ void decode_weights_e4m3(uint32_t (&a8)[4][4], float&
     e2m1x8_to_e4m3(wb[s], tb, a8[s][1], a8[s][3]);
   }
   fa = ue8m0_float(ma), fb = ue8m0_float(mb);
-}
-
-// Four E4M3 values x f (a power of two, so the product rounds once, to nearest even) -> E4M3.
-__device__ __forceinline__ uint32_t fold_e4m3x4(uint32_t v, float f) {
-  const float2 a = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xFFFF), __NV_E4M3)));
-  const float2 b = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v >> 16), __NV_E4M3)));
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a.x * f, a.y * f), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(b.x * f, b.y * f), __NV_SATFINITE, __NV_E4M3);
-  return lo | (hi << 16);
 }
 
 // One token unit of the FP8-wgmma path: token n, 128-K group g, quarter q (32 K) -> folded E4M3 bytes in the
@@ -460,6 +451,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
                                  const __grid_constant__ CUtensorMap tmap_acts_tail, Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
+  const bool folded = kFP8Mma && !kActFP4 && p.folded_tokens;  // Params::folded_tokens
   // Token columns of the widest tile: in the wide-tail build an expert's last block may hold kTail rows past block_m
   // (routing tail_rows, heuristics::fp4_tail_rows; tmap_acts_tail loads them).
   constexpr int kCols = heuristics::fp4_tile_cols(kBlockM, kWideTail);
@@ -709,6 +701,19 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             copy_weight_scales(t, kb, tile_sw(stage));
           }
           uint8_t* dst_a = tile_sa(stage);
+          if (folded) {
+            // The stage's two groups of float factors [2][kCols] (the tile's own rows).
+            const float* src = reinterpret_cast<const float*>(p.acts_sf);
+#pragma unroll 1
+            for (int i = lane; i < 2 * kCols; i += 32) {
+              const int blk = 2 * kb + i / kCols, c = i % kCols;
+              if (c < t.rows && blk < p.k / 128)
+                ptx::cp_async_4(dst_a + 4 * i, src + int64_t(blk) * pool_rows + t.row0 + c);
+            }
+            ptx::cp_async_mbarrier_arrive_noinc(&full[stage]);
+            if (++stage == kNumStages) stage = 0, phase ^= 1;
+            continue;
+          }
           constexpr int kSAWords = S::kSARow / 4;
           const int first_word_row = t.row0 & ~3;
           // The window's words this tile's converters read (their units cover its rows rounded up to 4).
@@ -755,7 +760,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             rows = tile_infos[stage].rows;
 #endif
           }
-          for (int u = ctid; u < units; u += R::kConverterWarps * 32) {
+          for (int u = ctid; u < (folded ? 0 : units); u += R::kConverterWarps * 32) {
             const int n = u / 8, g = (u / 4) % 2, uq = u % 4;  // uq = lane % 4: the quad of (n, g) is 4 lanes
 #ifdef MEGAMOE_POISON_STALE_COLUMNS
             const bool live = n < rows;  // diagnostic build: the columns past the rows get NaN below
@@ -925,6 +930,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       const int groups = (kb + 1) * kBlockK <= p.k ? 2 : 1;  // 128-K groups in this stage
       bf = bf_tiles + b * S::kTileBF;
       const uint32_t bf_desc_lo = bf_tiles_desc_lo + b * (S::kTileBF / 16);
+      // FP8-wgmma path: the E4M3 token tile the wgmmas read (folded tokens: the stage's, as the TMA left it).
+      const uint32_t tok_desc_lo = folded ? ptx::smem_desc_sw128_lo(tile_b(stage)) : bf_desc_lo;
 #ifdef MEGAMOE_TILE_TRACE
       const int64_t trace_w0 = clock64();
 #endif
@@ -976,7 +983,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           float fa, fb;
           decode_weights_e4m3(a8, fa, fb, tile_a(stage), tile_sw(stage), fold_tables,
                               (kSlices * consumer + ls) * 64 + quad_row, g, q);
-          const float* factors = reinterpret_cast<const float*>(bf + 2 * kCols * 128) + g * kCols;
+          // Folded tokens: the stage's own token tile and factors; else the converters' E4M3 tile and factors.
+          const float* factors =
+              reinterpret_cast<const float*>(folded ? tile_sa(stage) : bf + 2 * kCols * 128) + g * kCols;
           float fc[kCols / 4];
 #pragma unroll
           for (int jj = 0; jj < kCols / 4; ++jj) fc[jj] = factors[8 * (jj / 2) + 2 * q + (jj % 2)];
@@ -990,7 +999,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           ptx::wgmma_fence();
 #pragma unroll
           for (int s = 0; s < 4; ++s)
-            MmaFP8::run(part, a8[s], ptx::smem_desc_sw128(bf_desc_lo + (g * kCols * 128 + s * 32) / 16), s > 0);
+            MmaFP8::run(part, a8[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16), s > 0);
           ptx::wgmma_commit();
           // NOTES: waiting here (not before the next decode) keeps the promotion's accumulator index a
           // compile-time constant; the warp would wait before its next decode anyway (register-A wgmmas).

@@ -237,9 +237,15 @@ constexpr int kSfPerLane = 4;  // scale elements a lane loads with its row (FP8:
 // One warp per pool row: the token's packed row (16 bytes a lane), its scales (K-block-major:
 // `sf_elems` elements of `sf_elem_bytes` each), its top-k weight and, for NVFP4 activations, its global
 // scale, read from the buffer of the rank that owns the token (NVLink loads for a peer).
+// fold (FP8 tokens for the FP8-wgmma FP4 path): each 128-K group is folded to one scale as it is copied
+// (fold_fp8_group: E4M3 values in the kernel's tile order, then float factors [k / 128, pool_rows] in place of the
+// UE8M0 bytes), so that the L1 GEMM multiplies the rows as they land, with no conversion of its own.
+// The folding build holds a group's 32 words in and out per lane: 2 blocks per SM (128 registers), not 4.
 constexpr int kGatherThreads = 256;
-__global__ void __launch_bounds__(kGatherThreads, 4) gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elems, int sf_elem_bytes,
+template <bool kFold>
+__global__ void __launch_bounds__(kGatherThreads, kFold ? 2 : 4) gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elems, int sf_elem_bytes,
                               bool has_global_sf, int* zero_words, int num_zero_words) {
+  constexpr bool fold = kFold;
   PhaseStamps trace;  // entry, after the dependency wait, end (diagnostic builds only)
   trace.stamp();
   {  // hints for this block's first lines (see routing_kernel), while the routing kernel runs
@@ -278,15 +284,27 @@ __global__ void __launch_bounds__(kGatherThreads, 4) gather_kernel(uint8_t* buff
 #pragma unroll
     for (int u = 0; u < kSfPerLane; ++u) {
       const int j = lane + 32 * u;
-      if (j < sf_elems) sfv[u] = sf_elem_bytes == 4 ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + j) : sf[j];
+      if (!fold && j < sf_elems) sfv[u] = sf_elem_bytes == 4 ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + j) : sf[j];
     }
     float weight = 0.f, global_sf = 0.f;
     if (lane == 0) {
       weight = __ldcg(reinterpret_cast<const float*>(peer + l.topk_weights_offset) + slot);
       if (has_global_sf) global_sf = __ldcg(reinterpret_cast<const float*>(peer + l.x_global_sf_offset) + token);
     }
+    if constexpr (fold) {
+      // A lane per 128-K group: its 8 chunks and 4 scale bytes in, the folded chunks and one factor out.
+      for (int g = lane; g < chunks / 8; g += 32) {
+        uint4 in[8], out[8];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) in[c] = __ldcg(from + 8 * g + c);
+        const uint32_t tmax = fold_fp8_group(in, __ldcg(reinterpret_cast<const uint32_t*>(sf) + g), out);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) to[8 * g + c] = out[c];
+        reinterpret_cast<float*>(dsf)[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
+      }
+    }
     constexpr int kMaxChunksPerLane = 8;  // hidden <= 8 * 32 * 16 bytes = 4096 FP8 per pass
-    for (int base = 0; base < chunks; base += 32 * kMaxChunksPerLane) {
+    for (int base = 0; !fold && base < chunks; base += 32 * kMaxChunksPerLane) {
       uint4 v[kMaxChunksPerLane];
 #pragma unroll
       for (int u = 0; u < kMaxChunksPerLane; ++u) {
@@ -302,13 +320,13 @@ __global__ void __launch_bounds__(kGatherThreads, 4) gather_kernel(uint8_t* buff
 #pragma unroll
     for (int u = 0; u < kSfPerLane; ++u) {
       const int j = lane + 32 * u;
-      if (j >= sf_elems) continue;
+      if (fold || j >= sf_elems) continue;
       if (sf_elem_bytes == 4)
         reinterpret_cast<uint32_t*>(dsf)[int64_t(j) * l.pool_rows + row] = sfv[u];
       else
         dsf[int64_t(j) * l.pool_rows + row] = static_cast<uint8_t>(sfv[u]);
     }
-    for (int j = lane + 32 * kSfPerLane; j < sf_elems; j += 32) {  // NVFP4 tokens past 2048 channels
+    for (int j = lane + 32 * kSfPerLane; !fold && j < sf_elems; j += 32) {  // NVFP4 tokens past 2048 channels
       if (sf_elem_bytes == 4)
         reinterpret_cast<float*>(dsf)[int64_t(j) * l.pool_rows + row] = __ldcg(reinterpret_cast<const float*>(sf) + j);
       else
@@ -415,13 +433,19 @@ void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int ran
 }
 
 void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, ActRecipe recipe, int num_sms,
-                   cudaStream_t stream, int* zero_words, int num_zero_words) {
+                   cudaStream_t stream, int* zero_words, int num_zero_words, bool fold) {
+  if (fold && (recipe != ActRecipe::kFP8UE8M0Block32 || layout.hidden % 128 != 0))
+    throw std::runtime_error("megamoe: the gather folds FP8 tokens with UE8M0 scales per 32 only");
   // Scale elements per token row of `hidden`, by recipe (docs/decisions.md, "Activation recipes").
   const int h = static_cast<int>(layout.hidden);
   const int sf_elem_bytes = recipe == ActRecipe::kFP8F32Block128 ? 4 : 1;
   const int sf_elems = recipe == ActRecipe::kFP8F32Block128 ? h / 128 : recipe == ActRecipe::kNVFP4 ? h / 16 : h / 32;
-  launch_pdl(gather_kernel, dim3(num_sms * 4), dim3(kGatherThreads), 0, stream, buffer, layout, sf_elems, sf_elem_bytes,
-             recipe == ActRecipe::kNVFP4, zero_words, num_zero_words);
+  if (fold)
+    launch_pdl(gather_kernel<true>, dim3(num_sms * 2), dim3(kGatherThreads), 0, stream, buffer, layout, sf_elems,
+               sf_elem_bytes, false, zero_words, num_zero_words);
+  else
+    launch_pdl(gather_kernel<false>, dim3(num_sms * 4), dim3(kGatherThreads), 0, stream, buffer, layout, sf_elems,
+               sf_elem_bytes, recipe == ActRecipe::kNVFP4, zero_words, num_zero_words);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

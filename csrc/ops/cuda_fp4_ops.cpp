@@ -84,7 +84,9 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   const int tail_rows = heuristics::fp4_tail_rows(cfg.block_m, expected_rows, tail_tokens, round1 + round2 > 0);
   kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
                           recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream, tail_rows);
-  kernels::launch_gather(buf, l, recipe, sms, stream, counters, counter_words);
+  // L1's FP8 tokens folded by the gather on the FP8-wgmma path (heuristics::fp4_folded_tokens).
+  const bool folded = fp8_mma && recipe == ActRecipe::kFP8UE8M0Block32 && heuristics::fp4_folded_tokens();
+  kernels::launch_gather(buf, l, recipe, sms, stream, counters, counter_words, folded);
 
   const float clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
   auto global_ptr = [&](const at::Tensor& g) -> const float* {
@@ -115,6 +117,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g1.split_round = round1;
   g1.partials = partials;
   g1.split_counters = counters;
+  g1.folded_tokens = folded;
   kernels::launch_fp4_grouped_gemm(g1, buf, l, cfg.block_m, sms, stream);
   if (nv_acts) kernels::launch_nvfp4_requant(g1.scratch, buf, l, static_cast<int>(scratch.size(0)), sms, stream);
 
@@ -133,6 +136,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g2.n = static_cast<int>(h);
   g2.k = static_cast<int>(inter);
   g2.is_l1 = false;
+  g2.folded_tokens = false;
   g2.split_round = round2;
   g2.split_counters = counters + round1 / 2;
   kernels::launch_fp4_grouped_gemm(g2, buf, l, cfg.block_m, sms, stream);
