@@ -233,10 +233,6 @@ __device__ __forceinline__ void ep_wait(uint8_t* buffer, const layout::BufferLay
   }
 }
 
-// NOTES: NaN-propagating max / min (PTX max.NaN / min.NaN) for every amax and clamp on a quantization
-// path. fmaxf / fminf return the other operand for a NaN (IEEE maxNum): a NaN activation then vanished into
-// a finite scale or a clamp bound and the output came out finite, while the reference (torch amax / clamp)
-// turns the block's scale into NaN. Found by the extreme-scale GPU test (2026-11-22).
 // UE8M0 byte -> 2^(b - 127) (0: 2^-127, a float subnormal; 255: NaN).
 __device__ __forceinline__ float ue8m0_float(uint32_t b) {
   return __uint_as_float(b == 255 ? 0x7FC00000u : b == 0 ? 0x00400000u : b << 23);
@@ -244,8 +240,10 @@ __device__ __forceinline__ float ue8m0_float(uint32_t b) {
 
 // Four E4M3 values x f (a power of two, so the product rounds once, to nearest even) -> E4M3.
 __device__ __forceinline__ uint32_t fold_e4m3x4(uint32_t v, float f) {
-  const float2 a = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xFFFF), __NV_E4M3)));
-  const float2 b = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v >> 16), __NV_E4M3)));
+  const auto pair = [](uint32_t x) {
+    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x), __NV_E4M3)));
+  };
+  const float2 a = pair(v & 0xFFFF), b = pair(v >> 16);
   const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a.x * f, a.y * f), __NV_SATFINITE, __NV_E4M3);
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(b.x * f, b.y * f), __NV_SATFINITE, __NV_E4M3);
   return lo | (hi << 16);
@@ -253,9 +251,10 @@ __device__ __forceinline__ uint32_t fold_e4m3x4(uint32_t v, float f) {
 
 // One 128-K group of an FP8 (E4M3, UE8M0 per 32) token row folded for the FP8-wgmma FP4 path: quarter q's values x
 // 2^-(T - t_q), T the largest of the four scales, so that one factor 2^(T - 127) per group scales them all (rounded
-// where a value falls below E4M3's range relative to T). `in`: the group's 128 bytes in K order; `out`: the same bytes in
-// the kernel's E4M3 tile order (16-byte chunk c, word q = quarter q's word c: the wgmma K order, file comment of
-// sm90_fp4_grouped_gemm.cuh). Returns T. The kernel's converters (fold_token_unit) fold the same way, bit for bit.
+// where a value falls below E4M3's range relative to T). `in`: the group's 128 bytes in K order; `out`: the same
+// bytes in the kernel's E4M3 tile order (16-byte chunk c, word q = quarter q's word c: the wgmma K order, file
+// comment of sm90_fp4_grouped_gemm.cuh). Returns T. The kernel's converters (fold_token_unit) fold the same way, bit
+// for bit.
 __device__ __forceinline__ uint32_t fold_fp8_group(const uint4 (&in)[8], uint32_t scales4, uint4 (&out)[8]) {
   uint32_t t[4], tmax = 0;
 #pragma unroll
@@ -275,6 +274,10 @@ __device__ __forceinline__ uint32_t fold_fp8_group(const uint4 (&in)[8], uint32_
   return tmax;
 }
 
+// NOTES: NaN-propagating max / min (PTX max.NaN / min.NaN) for every amax and clamp on a quantization
+// path. fmaxf / fminf return the other operand for a NaN (IEEE maxNum): a NaN activation then vanished into
+// a finite scale or a clamp bound and the output came out finite, while the reference (torch amax / clamp)
+// turns the block's scale into NaN. Found by the extreme-scale GPU test (2026-11-22).
 __device__ __forceinline__ float max_nan(float a, float b) {
   float d;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));

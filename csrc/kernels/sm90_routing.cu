@@ -243,8 +243,9 @@ constexpr int kSfPerLane = 4;  // scale elements a lane loads with its row (FP8:
 // The folding build holds a group's 32 words in and out per lane: 2 blocks per SM (128 registers), not 4.
 constexpr int kGatherThreads = 256;
 template <bool kFold>
-__global__ void __launch_bounds__(kGatherThreads, kFold ? 2 : 4) gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elems, int sf_elem_bytes,
-                              bool has_global_sf, int* zero_words, int num_zero_words) {
+__global__ void __launch_bounds__(kGatherThreads, kFold ? 2 : 4)
+    gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elems, int sf_elem_bytes, bool has_global_sf,
+                  int* zero_words, int num_zero_words) {
   constexpr bool fold = kFold;
   PhaseStamps trace;  // entry, after the dependency wait, end (diagnostic builds only)
   trace.stamp();
