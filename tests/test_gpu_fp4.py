@@ -37,6 +37,17 @@ def run_poisoned(case, **kwargs):
     return y
 
 
+def case_with_rows(rows, hidden, inter, weight_format, act_format, seed, routing_seed):
+    """A top-1 case whose expert e gets exactly rows[e] tokens, in a random token order (no reference yet: callers
+    may change the case first, then set case.ref = case.reference())."""
+    e, t = len(rows), sum(rows)
+    case = make_case(e, hidden, inter, 1, t, weight_format, act_format, device="cuda", seed=seed, with_ref=False)
+    gen = torch.Generator().manual_seed(routing_seed)
+    experts = torch.repeat_interleave(torch.arange(e), torch.tensor(rows))[torch.randperm(t, generator=gen)]
+    case.topk_idx = experts.view(t, 1).to(device="cuda", dtype=case.topk_idx.dtype)
+    return case
+
+
 # ------------------------------------------------------------------------------------------------
 # Small odd shapes, edge cases
 # ------------------------------------------------------------------------------------------------
@@ -89,12 +100,7 @@ def test_mxfp4_fp8_mma_gather_fold_equals_kernel_fold(block_m, hidden, inter, sp
     round) / 32 / 64, partial L1 stages (hidden 384, 640), several L1 tiles per CTA, and token scales spread over
     2^0..2^spread within each 128-K group (12: past E4M3's range, so the fold rounds)."""
     rows = [1, 8, 9, 15, 16, 17, 24, 33, 48, 64, 65, 100, 0, 12]
-    e, k, t = len(rows), 1, sum(rows)
-    case = make_case(e, hidden, inter, k, t, "mxfp4", "fp8", device="cuda", seed=601 + hidden + spread,
-                     with_ref=False)
-    gen = torch.Generator().manual_seed(602 + hidden)
-    experts = torch.repeat_interleave(torch.arange(e), torch.tensor(rows))[torch.randperm(t, generator=gen)]
-    case.topk_idx = experts.view(t, 1).to(device="cuda", dtype=case.topk_idx.dtype)
+    case = case_with_rows(rows, hidden, inter, "mxfp4", "fp8", seed=601 + hidden + spread, routing_seed=602 + hidden)
     if spread:  # per-channel magnitudes 2^0..2^spread, so each 128-K group's four UE8M0 token scales differ
         chan = torch.arange(hidden, device="cuda") // 32 % 4
         case.x = (case.x.float() * torch.exp2(chan.float() * spread / 3)).to(case.x.dtype)
@@ -225,11 +231,7 @@ def test_narrow_mma_equals_full_width(weight_format, act_format, block_m, monkey
     always runs the block's width; so do the split-K builds (block_m 16 at few tokens: test_split_last_round). At
     block_m 16 with NVFP4 tokens the rows here take the wide-tail build (m64n24 for 17-24 rows in a last block)."""
     rows = [1, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 40, 41, 47, 48, 49, 56, 57, 63, 64, 65, 80, 100, 0]
-    e, h, i, k, t = len(rows), 384, 256, 1, sum(rows)
-    case = make_case(e, h, i, k, t, weight_format, act_format, device="cuda", seed=301 + block_m, with_ref=False)
-    gen = torch.Generator().manual_seed(302 + block_m)
-    experts = torch.repeat_interleave(torch.arange(e), torch.tensor(rows))[torch.randperm(t, generator=gen)]
-    case.topk_idx = experts.view(t, 1).to(device="cuda", dtype=case.topk_idx.dtype)
+    case = case_with_rows(rows, 384, 256, weight_format, act_format, seed=301 + block_m, routing_seed=302 + block_m)
     case.ref = case.reference()
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", str(block_m))
     monkeypatch.setenv("MEGAMOE_FP4_NARROW_MMA", "0")
@@ -254,12 +256,9 @@ def test_wide_tail_equals_no_tail(weight_format, act_format, hidden, inter, monk
     runs a partial last L1 stage; intermediate 1024 gives each CTA several L1 tiles (and L2 tiles at hidden 1024), so
     the shared-memory early inputs and token tiles are rewritten between tiles."""
     rows = [1, 8, 9, 15, 16, 17, 20, 23, 24, 25, 31, 32, 33, 40, 41, 47, 48, 49, 56, 57, 0, 12]
-    e, k, t = len(rows), 1, sum(rows)
-    case = make_case(e, hidden, inter, k, t, weight_format, act_format, device="cuda", seed=401 + hidden + inter,
-                     with_ref=False)
-    gen = torch.Generator().manual_seed(402 + hidden + inter)
-    experts = torch.repeat_interleave(torch.arange(e), torch.tensor(rows))[torch.randperm(t, generator=gen)]
-    case.topk_idx = experts.view(t, 1).to(device="cuda", dtype=case.topk_idx.dtype)
+    e, k, t = len(rows), 1, sum(rows)  # top-1 (case_with_rows)
+    case = case_with_rows(rows, hidden, inter, weight_format, act_format, seed=401 + hidden + inter,
+                          routing_seed=402 + hidden + inter)
     case.ref = case.reference()
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", "16")
     monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "0")

@@ -394,7 +394,8 @@ __device__ __forceinline__ void decode_weights_e4m3(uint32_t (&a8)[4][4], float&
 // wgmma K order (k32 step s: column 4q + i <- K 32q + 8s + i, column 16 + 4q + i <- 32q + 8s + 4 + i) into the
 // 128B-swizzled K-major tile [2 groups][kBlockM rows][128 bytes]. The four lanes q of (n, g) agree on T (the
 // largest of their scales; all 32 lanes shuffle, `active` only gates the stores); lane q = 0 stores 2^(T - 127)
-// in factors[g][n].
+// in factors[g][n]. FP8 tokens: the same fold as the gather's (fold_fp8_group, sm90_common.cuh; its bit-equality is
+// test_mxfp4_fp8_mma_gather_fold_equals_kernel_fold); change both together.
 template <int kBlockM, ActRecipe kRecipe>
 __device__ __forceinline__ void fold_token_unit(const uint8_t* raw, const uint8_t* sfa, uint8_t* tile8, float* factors,
                                                 const uint2* tables, int n, int g, int q, bool active) {

@@ -282,10 +282,12 @@ __global__ void __launch_bounds__(kGatherThreads, kFold ? 2 : 4)
     // Every load of a lane first (row chunks, the first kSfPerLane scale elements, the top-k weight), then the
     // stores: a row, local or remote, costs one round trip.
     uint32_t sfv[kSfPerLane];
+    if constexpr (!fold) {
 #pragma unroll
-    for (int u = 0; u < kSfPerLane; ++u) {
-      const int j = lane + 32 * u;
-      if (!fold && j < sf_elems) sfv[u] = sf_elem_bytes == 4 ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + j) : sf[j];
+      for (int u = 0; u < kSfPerLane; ++u) {
+        const int j = lane + 32 * u;
+        if (j < sf_elems) sfv[u] = sf_elem_bytes == 4 ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + j) : sf[j];
+      }
     }
     float weight = 0.f, global_sf = 0.f;
     if (lane == 0) {
@@ -303,35 +305,37 @@ __global__ void __launch_bounds__(kGatherThreads, kFold ? 2 : 4)
         for (int c = 0; c < 8; ++c) to[8 * g + c] = out[c];
         reinterpret_cast<float*>(dsf)[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
       }
-    }
-    constexpr int kMaxChunksPerLane = 8;  // hidden <= 8 * 32 * 16 bytes = 4096 FP8 per pass
-    for (int base = 0; !fold && base < chunks; base += 32 * kMaxChunksPerLane) {
-      uint4 v[kMaxChunksPerLane];
+    } else {
+      constexpr int kMaxChunksPerLane = 8;  // hidden <= 8 * 32 * 16 bytes = 4096 FP8 per pass
+      for (int base = 0; base < chunks; base += 32 * kMaxChunksPerLane) {
+        uint4 v[kMaxChunksPerLane];
 #pragma unroll
-      for (int u = 0; u < kMaxChunksPerLane; ++u) {
-        const int i = base + u * 32 + lane;
-        if (i < chunks) v[u] = __ldcg(from + i);
+        for (int u = 0; u < kMaxChunksPerLane; ++u) {
+          const int i = base + u * 32 + lane;
+          if (i < chunks) v[u] = __ldcg(from + i);
+        }
+#pragma unroll
+        for (int u = 0; u < kMaxChunksPerLane; ++u) {
+          const int i = base + u * 32 + lane;
+          if (i < chunks) to[i] = v[u];
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kMaxChunksPerLane; ++u) {
-        const int i = base + u * 32 + lane;
-        if (i < chunks) to[i] = v[u];
+      for (int u = 0; u < kSfPerLane; ++u) {
+        const int j = lane + 32 * u;
+        if (j >= sf_elems) continue;
+        if (sf_elem_bytes == 4)
+          reinterpret_cast<uint32_t*>(dsf)[int64_t(j) * l.pool_rows + row] = sfv[u];
+        else
+          dsf[int64_t(j) * l.pool_rows + row] = static_cast<uint8_t>(sfv[u]);
       }
-    }
-#pragma unroll
-    for (int u = 0; u < kSfPerLane; ++u) {
-      const int j = lane + 32 * u;
-      if (fold || j >= sf_elems) continue;
-      if (sf_elem_bytes == 4)
-        reinterpret_cast<uint32_t*>(dsf)[int64_t(j) * l.pool_rows + row] = sfv[u];
-      else
-        dsf[int64_t(j) * l.pool_rows + row] = static_cast<uint8_t>(sfv[u]);
-    }
-    for (int j = lane + 32 * kSfPerLane; !fold && j < sf_elems; j += 32) {  // NVFP4 tokens past 2048 channels
-      if (sf_elem_bytes == 4)
-        reinterpret_cast<float*>(dsf)[int64_t(j) * l.pool_rows + row] = __ldcg(reinterpret_cast<const float*>(sf) + j);
-      else
-        dsf[int64_t(j) * l.pool_rows + row] = sf[j];
+      for (int j = lane + 32 * kSfPerLane; j < sf_elems; j += 32) {  // NVFP4 tokens past 2048 channels
+        if (sf_elem_bytes == 4)
+          reinterpret_cast<float*>(dsf)[int64_t(j) * l.pool_rows + row] =
+              __ldcg(reinterpret_cast<const float*>(sf) + j);
+        else
+          dsf[int64_t(j) * l.pool_rows + row] = sf[j];
+      }
     }
     if (lane == 0) {
       reinterpret_cast<float*>(buffer + l.dispatch_weight_offset)[row] = weight;
