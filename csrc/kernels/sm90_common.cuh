@@ -249,12 +249,19 @@ __device__ __forceinline__ uint32_t fold_e4m3x4(uint32_t v, float f) {
   return lo | (hi << 16);
 }
 
+// One 32-K quarter's word of an FP8 token row folded by d = T - t_q (its scale's distance below the group's largest):
+// the word x 2^-d (exact for d = 0; d >= 127 flushes to zero). The gather's fold (fold_fp8_group) and the kernel's
+// converters (fold_token_unit, sm90_fp4_grouped_gemm.cuh) both fold through this, so their bits agree.
+__device__ __forceinline__ uint32_t fold_quarter_word(uint32_t w, int d) {
+  const float f = __uint_as_float(d >= 127 ? 0u : uint32_t(127 - d) << 23);
+  return d == 0 ? w : fold_e4m3x4(w, f);
+}
+
 // One 128-K group of an FP8 (E4M3, UE8M0 per 32) token row folded for the FP8-wgmma FP4 path: quarter q's values x
 // 2^-(T - t_q), T the largest of the four scales, so that one factor 2^(T - 127) per group scales them all (rounded
 // where a value falls below E4M3's range relative to T). `in`: the group's 128 bytes in K order; `out`: the same
 // bytes in the kernel's E4M3 tile order (16-byte chunk c, word q = quarter q's word c: the wgmma K order, file
-// comment of sm90_fp4_grouped_gemm.cuh). Returns T. The kernel's converters (fold_token_unit) fold the same way, bit
-// for bit.
+// comment of sm90_fp4_grouped_gemm.cuh). Returns T.
 __device__ __forceinline__ uint32_t fold_fp8_group(const uint4 (&in)[8], uint32_t scales4, uint4 (&out)[8]) {
   uint32_t t[4], tmax = 0;
 #pragma unroll
@@ -263,11 +270,10 @@ __device__ __forceinline__ uint32_t fold_fp8_group(const uint4 (&in)[8], uint32_
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const int d = static_cast<int>(tmax - t[q]);
-    const float f = __uint_as_float(d >= 127 ? 0u : uint32_t(127 - d) << 23);
     const uint32_t w[8] = {in[2 * q].x, in[2 * q].y, in[2 * q].z, in[2 * q].w,
                            in[2 * q + 1].x, in[2 * q + 1].y, in[2 * q + 1].z, in[2 * q + 1].w};
 #pragma unroll
-    for (int c = 0; c < 8; ++c) o[c][q] = d == 0 ? w[c] : fold_e4m3x4(w[c], f);
+    for (int c = 0; c < 8; ++c) o[c][q] = fold_quarter_word(w[c], d);
   }
 #pragma unroll
   for (int c = 0; c < 8; ++c) out[c] = make_uint4(o[c][0], o[c][1], o[c][2], o[c][3]);

@@ -394,8 +394,8 @@ __device__ __forceinline__ void decode_weights_e4m3(uint32_t (&a8)[4][4], float&
 // wgmma K order (k32 step s: column 4q + i <- K 32q + 8s + i, column 16 + 4q + i <- 32q + 8s + 4 + i) into the
 // 128B-swizzled K-major tile [2 groups][kBlockM rows][128 bytes]. The four lanes q of (n, g) agree on T (the
 // largest of their scales; all 32 lanes shuffle, `active` only gates the stores); lane q = 0 stores 2^(T - 127)
-// in factors[g][n]. FP8 tokens: the same fold as the gather's (fold_fp8_group, sm90_common.cuh; its bit-equality is
-// test_mxfp4_fp8_mma_gather_fold_equals_kernel_fold); change both together.
+// in factors[g][n]. FP8 tokens: the gather's fold (fold_fp8_group), both through fold_quarter_word (sm90_common.cuh;
+// bit-equality: test_mxfp4_fp8_mma_gather_fold_equals_kernel_fold).
 template <int kBlockM, ActRecipe kRecipe>
 __device__ __forceinline__ void fold_token_unit(const uint8_t* raw, const uint8_t* sfa, uint8_t* tile8, float* factors,
                                                 const uint2* tables, int n, int g, int q, bool active) {
@@ -412,11 +412,10 @@ __device__ __forceinline__ void fold_token_unit(const uint8_t* raw, const uint8_
     const uint4 lo = *reinterpret_cast<const uint4*>(src + (((2 * q) ^ sw) << 4));
     const uint4 hi = *reinterpret_cast<const uint4*>(src + (((2 * q + 1) ^ sw) << 4));
     const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};  // word m: K 32q + 4m .. + 3
-    const float f = __uint_as_float(d >= 127 ? 0u : uint32_t(127 - d) << 23);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      store(2 * s, d == 0 ? w[2 * s] : fold_e4m3x4(w[2 * s], f));
-      store(2 * s + 1, d == 0 ? w[2 * s + 1] : fold_e4m3x4(w[2 * s + 1], f));
+      store(2 * s, fold_quarter_word(w[2 * s], d));
+      store(2 * s + 1, fold_quarter_word(w[2 * s + 1], d));
     }
   } else {
     static_assert(kRecipe == ActRecipe::kMXFP4, "the FP8-wgmma path takes FP8 or MXFP4 tokens");
