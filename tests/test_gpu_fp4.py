@@ -93,17 +93,27 @@ def test_mxfp4_fp8_mma_path(act_format, shape, num_tokens, monkeypatch):
 @pytest.mark.parametrize("block_m", ["16", "16-split", "32", "64"])
 @pytest.mark.parametrize("hidden,inter,spread", [(384, 256, 0), (640, 896, 3), (1024, 1024, 12)])
 def test_mxfp4_fp8_mma_gather_fold_equals_kernel_fold(block_m, hidden, inter, spread, monkeypatch):
-    """FP8-wgmma path with FP8 tokens: L1's tokens folded per 128-K group by the gather as it copies them
-    (MEGAMOE_MXFP4_FOLD_TOKENS=1: fold_fp8_group, E4M3 rows in the tile's order and one float factor per group) give
-    the E4M3 tiles and factors the kernel's converters fold (=0), so the outputs are bitwise equal: with every GEMM
-    output poisoned before each call, experts of 1-100 rows and one empty, block_m 16 (also with split K of the last
-    round) / 32 / 64, partial L1 stages (hidden 384, 640), several L1 tiles per CTA, and token scales spread over
-    2^0..2^spread within each 128-K group (12: past E4M3's range, so the fold rounds)."""
+    """FP8-wgmma path with FP8 tokens: tokens folded per 128-K group before the kernel reads them
+    (MEGAMOE_MXFP4_FOLD_TOKENS=1: L1's by the gather as it copies them, L2's by L1's epilogue as it writes them;
+    E4M3 rows in the tile's order and one float factor per group) give the E4M3 tiles and factors the kernel's
+    converters fold (=0), so the outputs are bitwise equal: with every GEMM output poisoned before each call,
+    experts of 1-100 rows and one empty, block_m 16 (also with split K of the last round) / 32 / 64, partial L1
+    and L2 stages (hidden 384, 640; intermediate 896), several tiles per CTA, and the scales of both GEMMs' tokens
+    spread over about 2^0..2^spread within each 128-K group (12: past E4M3's range, so the fold rounds)."""
     rows = [1, 8, 9, 15, 16, 17, 24, 33, 48, 64, 65, 100, 0, 12]
     case = case_with_rows(rows, hidden, inter, "mxfp4", "fp8", seed=601 + hidden + spread, routing_seed=602 + hidden)
-    if spread:  # per-channel magnitudes 2^0..2^spread, so each 128-K group's four UE8M0 token scales differ
+    if spread:
+        # L1's tokens: per-channel magnitudes 2^0..2^spread, so each 128-K group's four UE8M0 token scales differ.
         chan = torch.arange(hidden, device="cuda") // 32 % 4
         case.x = (case.x.float() * torch.exp2(chan.float() * spread / 3)).to(case.x.dtype)
+        # L2's tokens (the SwiGLU outputs): gate and up rows of intermediate channel j scaled by 2^(q spread / 6),
+        # q = j // 32 % 4, through their UE8M0 weight scales, so the products span about 2^0..2^spread per group.
+        w13_sf = case.layer["w13_sf"].clone()
+        bits = w13_sf.view(torch.uint8)
+        lift = (torch.arange(2 * inter, device="cuda") % inter // 32 % 4) * spread // 6
+        bits.copy_((bits.to(torch.int32) + lift.view(1, -1, 1)).clamp(max=254).to(torch.uint8))
+        case.layer = dict(case.layer, w13_sf=w13_sf)
+        case.l1 = megamoe.transform_weights(case.layer["w13"], w13_sf, None, weight_format="mxfp4", is_l1=True)
     case.ref = case.reference()
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", block_m.split("-")[0])
@@ -144,18 +154,21 @@ def scale_byte_case(act_format, scale_byte):
 
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
 def test_mxfp4_fp8_mma_default(act_format, monkeypatch):
-    """Without the switch, MXFP4 weights take the FP8-wgmma path with MXFP4 tokens (w4a4) and the BF16 path
-    with FP8 tokens (w4a8). A weight scale byte of 161 (2^34) tells them apart: the FP8-wgmma path computes it
+    """Without the switch, MXFP4 weights take the FP8-wgmma path with both token formats (w4a4 and w4a8); =0
+    takes the BF16 path. A weight scale byte of 161 (2^34) tells them apart: the FP8-wgmma path computes it
     exactly, the BF16 path (past its range) poisons the expert's tokens with NaN. The default's bits equal
     those of the path forced by the switch."""
     monkeypatch.delenv("MEGAMOE_MXFP4_FP8MMA", raising=False)
     case, hit = scale_byte_case(act_format, 161)
     y = run_poisoned(case)
-    fp8_mma = act_format == "fp4"
-    assert bool(torch.isfinite(y[hit]).all()) == fp8_mma
+    assert bool(torch.isfinite(y[hit]).all())
     assert rel_err(y[~hit], case.ref[~hit]) <= TOL
-    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1" if fp8_mma else "0")
-    assert torch.allclose(run_poisoned(case), y, rtol=0, atol=0, equal_nan=True)
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
+    assert torch.equal(run_poisoned(case), y)
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "0")
+    bf16 = run_poisoned(case)
+    assert not bool(torch.isfinite(bf16[hit]).all())
+    assert rel_err(bf16[~hit], case.ref[~hit]) <= TOL
 
 
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
@@ -227,13 +240,15 @@ def test_narrow_mma_equals_full_width(weight_format, act_format, block_m, monkey
     """The BF16 path runs each tile's wgmmas only as wide as its rows rounded up to 8, at least 16 (m64n16, n24 ...
     n64; block_m 16: m64n8 for up to 8 rows); MEGAMOE_FP4_NARROW_MMA=0 runs every tile at the block's width. Each
     output's products and K order are the same, so the outputs are bitwise equal, on poisoned outputs, for experts of
-    every width class and a few token blocks (rows 1-100, one empty). MXFP4 tokens take the FP8-wgmma path, which
-    always runs the block's width; so do the split-K builds (block_m 16 at few tokens: test_split_last_round). At
-    block_m 16 with NVFP4 tokens the rows here take the wide-tail build (m64n24 for 17-24 rows in a last block)."""
+    every width class and a few token blocks (rows 1-100, one empty). MXFP4 weights are pinned to the BF16 path here
+    (their default, the FP8-wgmma path, always runs the block's width; so do the split-K builds: block_m 16 at few
+    tokens, test_split_last_round). At block_m 16 with NVFP4 tokens the rows here take the wide-tail build (m64n24
+    for 17-24 rows in a last block)."""
     rows = [1, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 40, 41, 47, 48, 49, 56, 57, 63, 64, 65, 80, 100, 0]
     case = case_with_rows(rows, 384, 256, weight_format, act_format, seed=301 + block_m, routing_seed=302 + block_m)
     case.ref = case.reference()
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", str(block_m))
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "0")
     monkeypatch.setenv("MEGAMOE_FP4_NARROW_MMA", "0")
     full = run_poisoned(case)
     monkeypatch.delenv("MEGAMOE_FP4_NARROW_MMA")
@@ -445,7 +460,7 @@ def test_nan_activation_is_never_silent(weight_format, act_format, clamp):
 def test_mxfp4_scale_bytes_past_bf16_range_are_never_silent(act_format, scale_byte, monkeypatch):
     """BF16 path: UE8M0 bytes the decoder's fast path does not cover (factor past bf16, or 255 = NaN) poison
     exactly the tokens routed to that expert; every other token still matches the reference. (The FP8-wgmma
-    path, the default with MXFP4 tokens, computes 161 and 200 exactly: test_mxfp4_fp8_mma_scale_range.)"""
+    path, the default for MXFP4 weights, computes 161 and 200 exactly: test_mxfp4_fp8_mma_scale_range.)"""
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "0")
     case, hit = scale_byte_case(act_format, scale_byte)
     y = run_poisoned(case)

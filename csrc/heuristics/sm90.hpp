@@ -169,27 +169,30 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   return c;
 }
 
-// MXFP4 weights on FP8 wgmmas (sm90_fp4_grouped_gemm.cuh, kFP8Mma) instead of the BF16 decode. NOTES: A/Bs on
-// an H200 (2026-11-23, docs/bench/h200-2026-11-23-ab-mxfp4-fp8mma-*.json): with MXFP4 tokens (w4a4) -5 to -7 %
-// at T=16-512, -3 to -4 % at T=1, within 2 % at 2048-8192 (two runs); with FP8 tokens (w4a8) +10 % at decode and
-// +30-50 % at prefill (the consumers' per-group scale chain and the converters' fold of every weight tile's
-// tokens: docs/perf-notes.md, eighth session), so the default takes it for MXFP4 tokens only. Again with FP8 tokens
-// after the converter warpgroup (H100, 2026-11-25, V4-Flash): +8 % / +11 % at T=2048 / 8192 in a graph.
-// NOTES: not adopted (2026-11-26): at 28-44 expected rows per expert (block_m 64 at most ~2/3 full) the BF16 path's
-// narrow wgmmas beat this path's m64n64 by 0.5-10 % for w4a4 on one rank (H100, perf-notes, twenty-fifth session;
-// docs/bench/h100-2026-11-26f-ab-mxfp4-w4a4-*.json). The paths round differently, and a choice by token count breaks
-// EP's bitwise equality with EP=1 (each rank sees its own token count; tests/ep_cases.py), so the default stays by
-// recipe; MEGAMOE_MXFP4_FP8MMA=0 takes the BF16 path where that equality does not matter.
-// MEGAMOE_MXFP4_FP8MMA=1 / =0 (read per call) forces it on / off for both.
-inline bool choose_mxfp4_fp8_mma(bool mxfp4_acts) {
+// MXFP4 weights on FP8 wgmmas (sm90_fp4_grouped_gemm.cuh, kFP8Mma) instead of the BF16 decode, for both token
+// formats. NOTES: A/Bs on an H200 (2026-11-23, docs/bench/h200-2026-11-23-ab-mxfp4-fp8mma-*.json): with MXFP4 tokens
+// (w4a4) -5 to -7 % at T=16-512, -3 to -4 % at T=1, within 2 % at 2048-8192 (two runs). With FP8 tokens (w4a8) it was
+// +10 % at decode and +30-50 % at prefill while every tile folded its tokens (perf-notes, eighth session); since the
+// tokens arrive folded (fp4_folded_tokens: the gather folds L1's, L1's epilogue L2's), H100, 2026-11-26, 2 rounds,
+// per replay over the BF16 path (docs/bench/h100-2026-11-26i-ab-mxfp4-w4a8-fold-l2.json): V4-Flash 0.98 / 0.98 /
+// 0.98 / 0.87 / 1.02 / 0.93 / 0.88 / 0.91 at T = 1 / 16 / 128 / 512 / 1365 / 2048 / 4096 / 8192, V4-Pro 1.00 / 0.98 /
+// 0.98 / 0.93 / 0.92 / 1.00 / 0.88 / 0.84.
+// NOTES: at 28-44 expected rows per expert (block_m 64 at most ~2/3 full: V4-Flash 1365, V4-Pro 2048 above; w4a4:
+// docs/bench/h100-2026-11-26f-ab-mxfp4-w4a4-*.json) the BF16 path's narrow wgmmas beat this path's m64n64 by 0-10 %.
+// The paths round differently, and a choice by token count breaks EP's bitwise equality with EP=1 (each rank sees
+// its own token count; tests/ep_cases.py), so the default stays by recipe; MEGAMOE_MXFP4_FP8MMA=0 takes the BF16
+// path where that equality does not matter.
+// MEGAMOE_MXFP4_FP8MMA=1 / =0 (read per call) forces it on / off.
+inline bool choose_mxfp4_fp8_mma() {
   const char* env = std::getenv("MEGAMOE_MXFP4_FP8MMA");
   if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return mxfp4_acts;
+  return true;
 }
 
 // FP8-wgmma path (MXFP4 weights) with FP8 tokens: the gather folds L1's tokens per 128-K group (one factor each) as it
-// copies them, instead of every L1 tile's converter warps folding its tokens again (launch_gather's fold). Same
-// folded values, so the same bits. MEGAMOE_MXFP4_FOLD_TOKENS=0 (read per call) folds in the kernel.
+// copies them, and L1's epilogue writes L2's input folded the same way, instead of every tile's converter warps folding
+// its tokens again (launch_gather's fold, Params::fold_output). Same folded values, so the same bits.
+// MEGAMOE_MXFP4_FOLD_TOKENS=0 (read per call) folds in the kernel (both GEMMs).
 // NOTES: H100, 2026-11-26, MXFP4 w4a8 forced onto the FP8-wgmma path, 1 round, per replay, over the BF16 path (the
 // default; docs/bench/h100-2026-11-26h-ab-mxfp4-fp8mma-gather-fold.json): folding in the gather 0.90-0.94 at T=8192,
 // 0.97-1.03 at 512-2048, 0.98-1.00 at 1-128; folding in the kernel 1.05-1.06 / 1.00-1.11 / 0.98-0.99. The gather fold

@@ -83,9 +83,11 @@ struct Fp4GroupedGemmArgs {
   // The routing's tail rows (heuristics::fp4_tail_rows): > 0 launches the wide-tail build (an expert's last block of up
   // to block_m + tail_rows rows). It must be what launch_routing got, for both GEMMs.
   int tail_rows = 0;
-  // L1 on the FP8-wgmma path with FP8 tokens: the gather folded them (launch_gather's fold): acts_sf holds float
-  // factors [k / 128, pool_rows] and the rows are in the kernel's E4M3 tile order (heuristics::fp4_folded_tokens).
+  // The FP8-wgmma path with FP8 tokens (heuristics::fp4_folded_tokens): the tokens arrive folded (L1: launch_gather's
+  // fold; L2: L1's epilogue with fold_output): acts_sf holds float factors [k / 128, pool_rows] and the rows are in the
+  // kernel's E4M3 tile order.
   bool folded_tokens = false;
+  bool fold_output = false;  // L1: write L2's input (pool) folded the same way
 };
 void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
                              int block_m, int num_sms, cudaStream_t stream);

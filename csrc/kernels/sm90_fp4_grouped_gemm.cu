@@ -31,8 +31,10 @@ void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, co
   p.partials = args.partials;
   p.split_counters = args.split_counters;
   p.folded_tokens = args.folded_tokens;
-  if (args.folded_tokens && (!args.is_l1 || !args.fp8_mma || args.recipe != ActRecipe::kFP8UE8M0Block32))
-    throw std::runtime_error("megamoe: folded tokens are for L1 of the FP8-wgmma FP4 path with FP8 tokens");
+  p.fold_output = args.fold_output;
+  if ((args.folded_tokens || args.fold_output) && (!args.fp8_mma || args.recipe != ActRecipe::kFP8UE8M0Block32))
+    throw std::runtime_error("megamoe: folded tokens are for the FP8-wgmma FP4 path with FP8 tokens");
+  if (args.fold_output && !args.is_l1) throw std::runtime_error("megamoe: fold_output is for L1 (its epilogue)");
   const bool nv = args.weight_format == WeightFormat::kNVFP4;
   if (nv && args.fp8_mma)
     throw std::runtime_error("megamoe: the FP8-wgmma FP4 path takes MXFP4 weights only (NVFP4 scales are not powers of two)");

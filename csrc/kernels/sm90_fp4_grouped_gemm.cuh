@@ -39,12 +39,13 @@
 // Limits of that split: MXFP4 weight scales up to 2^33 and activations up to 2^95 (real weights have
 // scales near 2^-7, activations are bf16 model values).
 //
-// FP8-wgmma path (kFP8Mma, MXFP4 weights; the default with MXFP4 tokens, heuristics::choose_mxfp4_fp8_mma): per
+// FP8-wgmma path (kFP8Mma, MXFP4 weights; the default for them, heuristics::choose_mxfp4_fp8_mma): per
 // row and 128-K group, E = the largest of its four UE8M0 scales; each 32-K sub-block's weights are decoded to the
 // E4M3 bytes of e2m1 x 2^-(E - e_j) by one PRMT table lookup per 4 weights (exact while E - e_j <= 8, rounded to
 // nearest even below that), the converters fold the tokens the same way into an E4M3 tile (x x 2^-(T - t_j), T the
-// token's largest scale of the group; L1's FP8 tokens are folded by the gather instead, heuristics::fp4_folded_tokens,
-// and the wgmmas read the stage's token tile as the TMA left it), four k32 wgmmas per group go into a partial
+// token's largest scale of the group; FP8 tokens arrive folded instead, L1's by the gather and L2's by L1's epilogue,
+// heuristics::fp4_folded_tokens, and the wgmmas read the stage's token tile as the TMA left it), four k32 wgmmas per
+// group go into a partial
 // accumulator, and the promotion multiplies it by 2^(E - 127) x 2^(T - 127). Half the wgmma instructions of the
 // BF16 path at twice the tensor rate, 1.25 decode instructions per weight instead of ~2.5. Decode and K order: bit
 // model docs/models/mxfp4_fp8_decode.py; error of the fold: benchmarks/fold_error.py (docs/perf-notes.md).
@@ -120,12 +121,15 @@ struct Params {
   bool fast_math;
   bool wide_scale_copies;  // k % 256 == 0 and weights_sf 16-byte aligned: one copy per scale row and stage
   bool narrow_mma;         // BF16 path: wgmmas only as wide as the tile's rows (heuristics::fp4_narrow_mma)
-  // FP8-wgmma path, FP8 tokens: the gather folded them (launch_gather's fold: E4M3 rows in the tile's order, float
-  // factors [k / 128, pool_rows] at acts_sf), so the consumers multiply the token tile as it lands and the
-  // converters have nothing to do (heuristics::fp4_folded_tokens).
+  // FP8-wgmma path, FP8 tokens: they arrive folded (L1: launch_gather's fold; L2: L1's epilogue, fold_output): E4M3
+  // rows in the tile's order, float factors [k / 128, pool_rows] at acts_sf, so the consumers multiply the token tile
+  // as it lands and the converters have nothing to do (heuristics::fp4_folded_tokens).
   bool folded_tokens;
   // Split K of the last round (see SplitPlan); split_round 0: off (no workspace).
   int split_round;      // the tiles of one round (the grid; tests force fewer)
+  // L1 on the FP8-wgmma path with FP8 tokens: the epilogue writes L2's input folded as the gather writes L1's, and L2
+  // runs with folded_tokens. (Here, in the padding before `partials`: the other fields keep their offsets.)
+  bool fold_output;
   float* partials;      // [split_round units][kSlices * kRegs][consumer threads]: each split unit's accumulators
   int* split_counters;  // [split_round / 2]: a split tile's units that have finished; zero at launch (gather zeroes it)
 };
@@ -1257,7 +1261,11 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         float* amax_smem = reinterpret_cast<float*>(epi);             // [8 warps][kCols]
         uint8_t* out_tile = epi + 8 * kCols * 4;                      // [kCols][128] codes / E4M3
         float* inv_smem = reinterpret_cast<float*>(out_tile + kCols * 128);  // [4 blocks][kCols] 1 / scale
-        static_assert(8 * kCols * 4 + kCols * 128 + 4 * kCols * 4 <= S::kTileBF, "L1 epilogue scratch");
+        uint8_t* scale_bits = reinterpret_cast<uint8_t*>(inv_smem + 4 * kCols);  // [kCols][4 blocks] UE8M0 (folded)
+        static_assert(8 * kCols * 4 + kCols * 128 + 4 * kCols * 4 + 4 * kCols <= S::kTileBF, "L1 epilogue scratch");
+        // FP8-wgmma path, FP8 tokens: L2's input leaves folded (Params::fold_output), as the gather folds L1's. (Only
+        // in `if constexpr (kCanFoldOut)` blocks: the other builds' code stays as it was, register for register.)
+        constexpr bool kCanFoldOut = kFP8Mma && kRecipe == ActRecipe::kFP8UE8M0Block32;
 #pragma unroll
         for (int sl = 0; sl < kOwnGroups; ++sl)
           if (own_live(sl))  // warp-uniform
@@ -1278,8 +1286,16 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           constexpr float kCodeMax = kRecipe == ActRecipe::kFP8UE8M0Block32 ? kFP8Max : kE2M1Max;
           const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / kCodeMax);
           inv_smem[bl * kCols + col] = pow2_reciprocal(scale);
-          if (col < t.rows)
-            p.buffer[l.pool_sf_offset + int64_t(t.n_block * 4 + bl) * l.pool_rows + t.row0 + col] = ue8m0_bits(scale);
+          auto store_scale = [&] {
+            if (col < t.rows)
+              p.buffer[l.pool_sf_offset + int64_t(t.n_block * 4 + bl) * l.pool_rows + t.row0 + col] = ue8m0_bits(scale);
+          };
+          if constexpr (kCanFoldOut) {
+            if (p.fold_output) scale_bits[col * 4 + bl] = ue8m0_bits(scale);
+            else store_scale();
+          } else {
+            store_scale();
+          }
         }
         ptx::named_barrier_sync(1, kNumConsumerThreads);
         {
@@ -1304,31 +1320,64 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         }
         ptx::named_barrier_sync(1, kNumConsumerThreads);
         trace_phase(2);
-        if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
-          // Coalesced copy-out: 8 x 16 bytes per token row.
+        // Folded copy-out (the gather's fold, fold_fp8_group, one output chunk per thread): this tile's 128 outputs are
+        // one 128-K group of L2; chunk c of a row takes word c of each 32-K quarter q, x 2^-(T - t_q), and the row's
+        // factor 2^(T - 127) goes to the float factors [inter / 128, pool_rows] at pool_sf_offset.
+        auto copy_out_folded = [&] {
           for (int c = ctid; c < kCols * 8; c += kNumConsumerThreads) {
-            const int col = c / 8, part = c % 8;
-            if (col < t.rows)
-              *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter + t.n_block * 128 +
-                                        part * 16) = reinterpret_cast<const uint4*>(out_tile)[col * 8 + staged_chunk(col, part)];
-          }
-        } else {
-          // Pack: 8 codes -> 4 bytes (low nibble first); 16 x 4 bytes per token row.
-          for (int c = ctid; c < kCols * 16; c += kNumConsumerThreads) {
-            const int col = c / 16, part = c % 16;
+            const int col = c / 8, chunk = c % 8;
             if (col < t.rows) {
-              const uint2 codes =
-                  reinterpret_cast<const uint2*>(out_tile)[col * 16 + staged_chunk(col, part / 2) * 2 + part % 2];
-              uint32_t packed = 0;
+              const uint32_t scales4 = *reinterpret_cast<const uint32_t*>(scale_bits + col * 4);
+              uint32_t tq[4], tmax = 0;
 #pragma unroll
-              for (int b = 0; b < 4; ++b) {
-                packed |= ((codes.x >> (8 * b)) & 0xF) << (4 * b);
-                packed |= ((codes.y >> (8 * b)) & 0xF) << (16 + 4 * b);
-              }
-              *reinterpret_cast<uint32_t*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * (inter / 2) +
-                                           t.n_block * 64 + part * 4) = packed;
+              for (int qq = 0; qq < 4; ++qq) tq[qq] = (scales4 >> (8 * qq)) & 0xFF, tmax = max(tmax, tq[qq]);
+              const uint32_t* words = reinterpret_cast<const uint32_t*>(out_tile);
+              uint32_t o[4];
+#pragma unroll
+              for (int qq = 0; qq < 4; ++qq)  // K 32 qq + 4 chunk: staged 16-byte part 2 qq + chunk / 4, word chunk % 4
+                o[qq] = fold_quarter_word(words[(col * 8 + staged_chunk(col, 2 * qq + chunk / 4)) * 4 + chunk % 4],
+                                          static_cast<int>(tmax - tq[qq]));
+              *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter + t.n_block * 128 +
+                                        chunk * 16) = make_uint4(o[0], o[1], o[2], o[3]);
+              if (chunk == 0)
+                reinterpret_cast<float*>(p.buffer + l.pool_sf_offset)[int64_t(t.n_block) * l.pool_rows + t.row0 + col] =
+                    ue8m0_float(tmax);
             }
           }
+        };
+        auto copy_out = [&] {
+          if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
+            // Coalesced copy-out: 8 x 16 bytes per token row.
+            for (int c = ctid; c < kCols * 8; c += kNumConsumerThreads) {
+              const int col = c / 8, part = c % 8;
+              if (col < t.rows)
+                *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter + t.n_block * 128 +
+                                          part * 16) = reinterpret_cast<const uint4*>(out_tile)[col * 8 + staged_chunk(col, part)];
+            }
+          } else {
+            // Pack: 8 codes -> 4 bytes (low nibble first); 16 x 4 bytes per token row.
+            for (int c = ctid; c < kCols * 16; c += kNumConsumerThreads) {
+              const int col = c / 16, part = c % 16;
+              if (col < t.rows) {
+                const uint2 codes =
+                    reinterpret_cast<const uint2*>(out_tile)[col * 16 + staged_chunk(col, part / 2) * 2 + part % 2];
+                uint32_t packed = 0;
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                  packed |= ((codes.x >> (8 * b)) & 0xF) << (4 * b);
+                  packed |= ((codes.y >> (8 * b)) & 0xF) << (16 + 4 * b);
+                }
+                *reinterpret_cast<uint32_t*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * (inter / 2) +
+                                             t.n_block * 64 + part * 4) = packed;
+              }
+            }
+          }
+        };
+        if constexpr (kCanFoldOut) {
+          if (p.fold_output) copy_out_folded();
+          else copy_out();
+        } else {
+          copy_out();
         }
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);

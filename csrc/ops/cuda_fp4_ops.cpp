@@ -43,7 +43,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   // The path (BF16 decode or FP8 wgmmas for MXFP4 weights) and whether the tokens' recipe has the wide-tail build
   // (heuristics::fp4_tail_rows, from the expected rows per local expert).
   const int64_t expected_rows = heuristics::fp4_expected_rows(t, l.top_k, l.num_local_experts);
-  const bool fp8_mma = format == WeightFormat::kMXFP4 && heuristics::choose_mxfp4_fp8_mma(recipe == ActRecipe::kMXFP4);
+  const bool fp8_mma = format == WeightFormat::kMXFP4 && heuristics::choose_mxfp4_fp8_mma();
   const bool tail_tokens = nv_acts || (recipe == ActRecipe::kFP8UE8M0Block32 && !fp8_mma);
   const auto cfg = heuristics::choose_fp4_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate,
                                                        act_fp4, tail_tokens, sms, l.num_ranks);
@@ -84,7 +84,8 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   const int tail_rows = heuristics::fp4_tail_rows(cfg.block_m, expected_rows, tail_tokens, round1 + round2 > 0);
   kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
                           recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream, tail_rows);
-  // L1's FP8 tokens folded by the gather on the FP8-wgmma path (heuristics::fp4_folded_tokens).
+  // The FP8-wgmma path's FP8 tokens arrive folded (heuristics::fp4_folded_tokens): L1's by the gather, L2's by L1's
+  // epilogue.
   const bool folded = fp8_mma && recipe == ActRecipe::kFP8UE8M0Block32 && heuristics::fp4_folded_tokens();
   kernels::launch_gather(buf, l, recipe, sms, stream, counters, counter_words, folded);
 
@@ -118,6 +119,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g1.partials = partials;
   g1.split_counters = counters;
   g1.folded_tokens = folded;
+  g1.fold_output = folded;
   kernels::launch_fp4_grouped_gemm(g1, buf, l, cfg.block_m, sms, stream);
   if (nv_acts) kernels::launch_nvfp4_requant(g1.scratch, buf, l, static_cast<int>(scratch.size(0)), sms, stream);
 
@@ -136,7 +138,8 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g2.n = static_cast<int>(h);
   g2.k = static_cast<int>(inter);
   g2.is_l1 = false;
-  g2.folded_tokens = false;
+  g2.folded_tokens = folded;
+  g2.fold_output = false;
   g2.split_round = round2;
   g2.split_counters = counters + round1 / 2;
   kernels::launch_fp4_grouped_gemm(g2, buf, l, cfg.block_m, sms, stream);
