@@ -257,6 +257,30 @@ def test_narrow_mma_equals_full_width(weight_format, act_format, block_m, monkey
     assert rel_err(narrow, case.ref) <= TOL
 
 
+@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("block_m", [32, 64])
+@pytest.mark.parametrize("hidden,inter", [(384, 256), (640, 896)])
+def test_mxfp4_fp8_mma_narrow_equals_full_width(act_format, block_m, hidden, inter, monkeypatch):
+    """The FP8-wgmma path (MXFP4 weights, the default) runs each tile's stages at its rows' width: 16 / 32 at
+    block_m 32, 32 / 48 / 64 at block_m 64 (m64nNk32 into the partial; MEGAMOE_FP4_NARROW_MMA=0: the block's width).
+    Each output's products and K order are the same, so the outputs are bitwise equal, on poisoned outputs, for
+    experts of every width class (rows 1-100, one empty), with partial stages (hidden 384, 640; intermediate 896)."""
+    rows = [1, 8, 9, 15, 16, 17, 24, 31, 32, 33, 40, 47, 48, 49, 56, 63, 64, 65, 80, 96, 97, 100, 0]
+    case = case_with_rows(rows, hidden, inter, "mxfp4", act_format, seed=701 + block_m + hidden,
+                          routing_seed=702 + block_m)
+    case.ref = case.reference()
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
+    monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", str(block_m))
+    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "0")
+    monkeypatch.setenv("MEGAMOE_FP4_NARROW_MMA", "0")
+    full = run_poisoned(case)
+    monkeypatch.delenv("MEGAMOE_FP4_NARROW_MMA")
+    narrow = run_poisoned(case)
+    assert torch.equal(narrow, full)
+    assert torch.equal(run_poisoned(case), narrow)
+    assert rel_err(narrow, case.ref) <= TOL
+
+
 @pytest.mark.parametrize("weight_format,act_format", [("nvfp4", "fp4"), ("nvfp4", "fp8"), ("mxfp4", "fp8")])
 @pytest.mark.parametrize("hidden,inter", [(384, 256), (256, 1024), (1024, 1024)])
 def test_wide_tail_equals_no_tail(weight_format, act_format, hidden, inter, monkeypatch):

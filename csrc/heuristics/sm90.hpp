@@ -202,8 +202,8 @@ inline bool fp4_folded_tokens() {
   return env == nullptr || env[0] != '0';
 }
 
-// FP4 BF16 path: each tile's wgmmas are as wide as its rows rounded up to 8, at least 16 (m64n16, n24 ... n64;
-// block_m 16: n8 for up to 8 rows), not the whole block (sm90_fp4_grouped_gemm.cuh, live_cols).
+// FP4: each tile's wgmmas are as wide as its rows rounded up: BF16 path to 8, at least 16 (m64n16, n24 ... n64;
+// block_m 16: n8 for up to 8 rows), FP8-wgmma path as below; not the whole block (sm90_fp4_grouped_gemm.cuh, live_cols).
 // MEGAMOE_FP4_NARROW_MMA=0 (read per call; tests) runs every tile at the block's width. NOTES: H100 A/B of the
 // block_m 32 / 64 part (2026-11-26, 2 rounds, every FP4 pair; docs/bench/h100-2026-11-26d-ab-fp4-narrow-mma.json;
 // time per replay / in a graph): V4-Pro T=2048 (~32 rows) -6 to -11 % / -7 to -11 % on the BF16 path, V4-Flash 2048 (~48) -2 to -8 % / -1 to -3 %, 4096 -1 to -5 %, 8192 and
@@ -212,6 +212,11 @@ inline bool fp4_folded_tokens() {
 // The block_m cuts (token_block_for) re-measured with narrow wgmmas: unchanged (-ab-fp4-block-m-with-narrow-mma.json).
 // Widths in steps of 8 instead of 16 (h100-2026-11-26e-ab-fp4-narrow-mma-8-steps.json, T = 1024-4096): NVFP4 weights
 // -0.5 to -3 %, MXFP4 within +-1 %; geometric mean of the rows 0.994.
+// The FP8-wgmma path (MXFP4 weights) runs a tile's stages at 16 / 32 (block_m 32) or 32 / 48 / 64 (block_m 64), one
+// stage body per width. H100 A/B (2026-11-26, 2 rounds, MXFP4 w4a8 and w4a4, per replay over the block's width;
+// docs/bench/h100-2026-11-26i-ab-fp4-fp8mma-narrow.json): V4-Flash 1365 -12 / -13 %, 2048 -1 / -3 %, V4-Pro 1024 -7 /
+// -4 %, 2048 -9 / -12 %, 2560 -9 / -8 %; V4-Flash 1024 and V4-Pro 1365 +-0.5 %; T=4096-8192 w4a4 -2 to 0 %, w4a8 +1 to
+// +3 % (in a graph +0.7 to +1.9 %; the two-width build read the same there: the larger loop's code, or noise).
 inline bool fp4_narrow_mma() {
   const char* env = std::getenv("MEGAMOE_FP4_NARROW_MMA");
   return env == nullptr || env[0] != '0';

@@ -974,6 +974,15 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #pragma unroll
         for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc[ls][i]);
       if constexpr (kFP8Mma) {
+      // One stage at width kW, the tile's live token columns (its rows) rounded up to 16 (block_m 32: 16 / 32) or
+      // 32 / 48 / 64 (block_m 64): narrow FP8 wgmmas, heuristics::fp4_narrow_mma. The partial holds the first kW / 2
+      // registers of the accumulator layout (the same columns); the columns past them keep their zeros (never
+      // stored). One body per width around the whole stage: a width branch around each group's wgmmas made ptxas
+      // serialise them at block_m 64 (C7511: two slices' accumulators, the partial, a8 and the factors).
+      auto fp8_stage = [&](auto width) {
+      constexpr int kW = decltype(width)::value;
+      using MmaW = ptx::WgmmaFP8RS<kW>;
+      constexpr int kRegsW = MmaW::kNumRegs;
 #pragma unroll
         for (int j = 0; j < 2 * kSlices; ++j) {
           const int g = j / kSlices, ls = j % kSlices;
@@ -990,30 +999,41 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           // Folded tokens: the stage's own token tile and factors; else the converters' E4M3 tile and factors.
           const float* factors =
               reinterpret_cast<const float*>(folded ? tile_sa(stage) : bf + 2 * kCols * 128) + g * kCols;
-          float fc[kCols / 4];
+          float fc[kW / 4];
 #pragma unroll
-          for (int jj = 0; jj < kCols / 4; ++jj) fc[jj] = factors[8 * (jj / 2) + 2 * q + (jj % 2)];
-          float part[kRegs];
+          for (int jj = 0; jj < kW / 4; ++jj) fc[jj] = factors[8 * (jj / 2) + 2 * q + (jj % 2)];
+          float part[kRegsW];
 #pragma unroll
           for (int s = 0; s < 4; ++s)
 #pragma unroll
             for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[s][r]);
 #pragma unroll
-          for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+          for (int i = 0; i < kRegsW; ++i) ptx::fence_operand(part[i]);
           ptx::wgmma_fence();
 #pragma unroll
           for (int s = 0; s < 4; ++s)
-            MmaFP8::run(part, a8[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16), s > 0);
+            MmaW::run(part, a8[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16), s > 0);
           ptx::wgmma_commit();
           // NOTES: waiting here (not before the next decode) keeps the promotion's accumulator index a
           // compile-time constant; the warp would wait before its next decode anyway (register-A wgmmas).
           ptx::wgmma_wait<0>();
 #pragma unroll
-          for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+          for (int i = 0; i < kRegsW; ++i) ptx::fence_operand(part[i]);
 #pragma unroll
-          for (int i = 0; i < kRegs; ++i)
+          for (int i = 0; i < kRegsW; ++i)
             acc[ls][i] = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);
         }
+      };
+      if constexpr (kBlockM == 64) {
+        if (live_cols <= 32) fp8_stage(std::integral_constant<int, 32>{});
+        else if (live_cols <= 48) fp8_stage(std::integral_constant<int, 48>{});
+        else fp8_stage(std::integral_constant<int, 64>{});
+      } else if constexpr (kBlockM == 32) {
+        if (live_cols <= 16) fp8_stage(std::integral_constant<int, 16>{});
+        else fp8_stage(std::integral_constant<int, 32>{});
+      } else {
+        fp8_stage(std::integral_constant<int, kCols>{});
+      }
       } else {
       // One stage's decode + wgmmas, at the tile's width: `fixed` > 0, or chosen inside the stage: 0 by live_cols
       // (block_m 32 / 64), -1 among 8 / 16 / 24 (block_m 16 with NVFP4 tokens, the wide-tail build included); the
