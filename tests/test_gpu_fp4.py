@@ -234,43 +234,13 @@ def test_forced_block_m_equal(weight_format, act_format, shape, monkeypatch):
         assert torch.equal(run_poisoned(case), default), f"block_m {block_m}"
 
 
-@combo
-@pytest.mark.parametrize("block_m", [16, 32, 64])
-def test_narrow_mma_equals_full_width(weight_format, act_format, block_m, monkeypatch):
-    """The BF16 path runs each tile's wgmmas only as wide as its rows rounded up to 8, at least 16 (m64n16, n24 ...
-    n64; block_m 16: m64n8 for up to 8 rows); MEGAMOE_FP4_NARROW_MMA=0 runs every tile at the block's width. Each
-    output's products and K order are the same, so the outputs are bitwise equal, on poisoned outputs, for experts of
-    every width class and a few token blocks (rows 1-100, one empty). MXFP4 weights are pinned to the BF16 path here
-    (their default, the FP8-wgmma path, always runs the block's width; so do the split-K builds: block_m 16 at few
-    tokens, test_split_last_round). At block_m 16 with NVFP4 tokens the rows here take the wide-tail build (m64n24
-    for 17-24 rows in a last block)."""
-    rows = [1, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 40, 41, 47, 48, 49, 56, 57, 63, 64, 65, 80, 100, 0]
-    case = case_with_rows(rows, 384, 256, weight_format, act_format, seed=301 + block_m, routing_seed=302 + block_m)
+def assert_narrow_equals_full_width(case, block_m, fp8_mma, monkeypatch):
+    """MEGAMOE_FP4_NARROW_MMA=0 runs every tile at the block's width; by default the tiles' wgmmas are only as wide as
+    their rows. Each output's products and K order are the same, so the outputs must be bitwise equal (poisoned
+    outputs, a repeated call) and within the tolerance of the reference."""
     case.ref = case.reference()
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", str(block_m))
-    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "0")
-    monkeypatch.setenv("MEGAMOE_FP4_NARROW_MMA", "0")
-    full = run_poisoned(case)
-    monkeypatch.delenv("MEGAMOE_FP4_NARROW_MMA")
-    narrow = run_poisoned(case)
-    assert torch.equal(narrow, full)
-    assert rel_err(narrow, case.ref) <= TOL
-
-
-@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
-@pytest.mark.parametrize("block_m", [32, 64])
-@pytest.mark.parametrize("hidden,inter", [(384, 256), (640, 896)])
-def test_mxfp4_fp8_mma_narrow_equals_full_width(act_format, block_m, hidden, inter, monkeypatch):
-    """The FP8-wgmma path (MXFP4 weights, the default) runs each tile's stages at its rows' width: 16 / 32 at
-    block_m 32, 32 / 48 / 64 at block_m 64 (m64nNk32 into the partial; MEGAMOE_FP4_NARROW_MMA=0: the block's width).
-    Each output's products and K order are the same, so the outputs are bitwise equal, on poisoned outputs, for
-    experts of every width class (rows 1-100, one empty), with partial stages (hidden 384, 640; intermediate 896)."""
-    rows = [1, 8, 9, 15, 16, 17, 24, 31, 32, 33, 40, 47, 48, 49, 56, 63, 64, 65, 80, 96, 97, 100, 0]
-    case = case_with_rows(rows, hidden, inter, "mxfp4", act_format, seed=701 + block_m + hidden,
-                          routing_seed=702 + block_m)
-    case.ref = case.reference()
-    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
-    monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", str(block_m))
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1" if fp8_mma else "0")
     monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "0")
     monkeypatch.setenv("MEGAMOE_FP4_NARROW_MMA", "0")
     full = run_poisoned(case)
@@ -279,6 +249,32 @@ def test_mxfp4_fp8_mma_narrow_equals_full_width(act_format, block_m, hidden, int
     assert torch.equal(narrow, full)
     assert torch.equal(run_poisoned(case), narrow)
     assert rel_err(narrow, case.ref) <= TOL
+
+
+@combo
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_narrow_mma_equals_full_width(weight_format, act_format, block_m, monkeypatch):
+    """BF16 path (MXFP4 weights pinned to it here): each tile's wgmmas are as wide as its rows rounded up to 8, at
+    least 16 (m64n16, n24 ... n64; block_m 16: m64n8 for up to 8 rows), bitwise equal to the block's width for
+    experts of every width class and a few token blocks (rows 1-100, one empty). The split-K builds run the block's
+    width (block_m 16 at few tokens: test_split_last_round). At block_m 16 with NVFP4 tokens the rows here take the
+    wide-tail build (m64n24 for 17-24 rows in a last block)."""
+    rows = [1, 8, 9, 15, 16, 17, 24, 25, 31, 32, 33, 40, 41, 47, 48, 49, 56, 57, 63, 64, 65, 80, 100, 0]
+    case = case_with_rows(rows, 384, 256, weight_format, act_format, seed=301 + block_m, routing_seed=302 + block_m)
+    assert_narrow_equals_full_width(case, block_m, False, monkeypatch)
+
+
+@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("block_m", [32, 64])
+@pytest.mark.parametrize("hidden,inter", [(384, 256), (640, 896)])
+def test_mxfp4_fp8_mma_narrow_equals_full_width(act_format, block_m, hidden, inter, monkeypatch):
+    """The FP8-wgmma path (MXFP4 weights, the default) runs each tile's stages at its rows' width: 16 / 32 at
+    block_m 32, 32 / 48 / 64 at block_m 64 (m64nNk32 into the partial), bitwise equal to the block's width for
+    experts of every width class (rows 1-100, one empty), with partial stages (hidden 384, 640; intermediate 896)."""
+    rows = [1, 8, 9, 15, 16, 17, 24, 31, 32, 33, 40, 47, 48, 49, 56, 63, 64, 65, 80, 96, 97, 100, 0]
+    case = case_with_rows(rows, hidden, inter, "mxfp4", act_format, seed=701 + block_m + hidden,
+                          routing_seed=702 + block_m)
+    assert_narrow_equals_full_width(case, block_m, True, monkeypatch)
 
 
 @pytest.mark.parametrize("weight_format,act_format", [("nvfp4", "fp4"), ("nvfp4", "fp8"), ("mxfp4", "fp8")])
