@@ -23,6 +23,7 @@
 #   (V4-Flash, --formats EP_BENCH_FORMATS, default fp8), once per setting in EP_SETTINGS (space-separated, each
 #   "-" or a comma list of VAR=VALUE, e.g. "- MEGAMOE_FP8_FUSED=1"; EP_TESTS=0 / EP_BENCH=0 skip a step; EP_BENCH_ARGS, e.g. "--alt-env MEGAMOE_FP8_FUSED=1", go to bench_ep.py); logs in ep.log, rows in ep-<setting>.json.
 #   Modes combine with commas (e.g. fp4,bench); BENCH_FORMATS picks bench_moe's --formats (default fp8).
+#   Pass MEGAMOE_COMMIT=<this tree's hash> for bench.json's commit: the device copy's git HEAD was stale on 2026-11-26.
 set -uo pipefail
 what=${1:-all}
 kexpr=${2:-}
