@@ -216,7 +216,10 @@ inline bool fp4_folded_tokens() {
 // stage body per width. H100 A/B (2026-11-26, 2 rounds, MXFP4 w4a8 and w4a4, per replay over the block's width;
 // docs/bench/h100-2026-11-26i-ab-fp4-fp8mma-narrow.json): V4-Flash 1365 -12 / -13 %, 2048 -1 / -3 %, V4-Pro 1024 -7 /
 // -4 %, 2048 -9 / -12 %, 2560 -9 / -8 %; V4-Flash 1024 and V4-Pro 1365 +-0.5 %; T=4096-8192 w4a4 -2 to 0 %, w4a8 +1 to
-// +3 % (in a graph +0.7 to +1.9 %; the two-width build read the same there: the larger loop's code, or noise).
+// +3 % (in a graph +0.7 to +1.9 %; the two-width build read the same there). Re-checked (3 rounds each,
+// -ab-fp4-fp8mma-narrow-recheck.json, -narrow-order.json): w4a8 at 4096-8192 +0.3 to +3.6 % per replay, +1.0 to +3.0 %
+// in a graph, w4a4 -3 to +1 %; the full-width body first in code order read the same. Kept: the band's -5 to -13 %
+// outweighs it; the cost is in the w4a8 (folded-token) build's full-width loop, not the branch.
 inline bool fp4_narrow_mma() {
   const char* env = std::getenv("MEGAMOE_FP4_NARROW_MMA");
   return env == nullptr || env[0] != '0';
