@@ -45,8 +45,8 @@
 // nearest even below that), the converters fold the tokens the same way into an E4M3 tile (x x 2^-(T - t_j), T the
 // token's largest scale of the group; FP8 tokens arrive folded instead, L1's by the gather and L2's by L1's epilogue,
 // heuristics::fp4_folded_tokens, and the wgmmas read the stage's token tile as the TMA left it), four k32 wgmmas per
-// group go into a partial
-// accumulator, and the promotion multiplies it by 2^(E - 127) x 2^(T - 127). Half the wgmma instructions of the
+// group (as wide as the tile's rows: 16 / 32 / 48 / 64) go into a partial accumulator, and the promotion multiplies it
+// by 2^(E - 127) x 2^(T - 127). Half the wgmma instructions of the
 // BF16 path at twice the tensor rate, 1.25 decode instructions per weight instead of ~2.5. Decode and K order: bit
 // model docs/models/mxfp4_fp8_decode.py; error of the fold: benchmarks/fold_error.py (docs/perf-notes.md).
 #pragma once
