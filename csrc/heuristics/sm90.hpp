@@ -193,10 +193,10 @@ inline bool choose_mxfp4_fp8_mma() {
 // copies them, and L1's epilogue writes L2's input folded the same way, instead of every tile's converter warps folding
 // its tokens again (launch_gather's fold, Params::fold_output). Same folded values, so the same bits.
 // MEGAMOE_MXFP4_FOLD_TOKENS=0 (read per call) folds in the kernel (both GEMMs).
-// NOTES: H100, 2026-11-26, MXFP4 w4a8 forced onto the FP8-wgmma path, 1 round, per replay, over the BF16 path (the
-// default; docs/bench/h100-2026-11-26h-ab-mxfp4-fp8mma-gather-fold.json): folding in the gather 0.90-0.94 at T=8192,
-// 0.97-1.03 at 512-2048, 0.98-1.00 at 1-128; folding in the kernel 1.05-1.06 / 1.00-1.11 / 0.98-0.99. The gather fold
-// is 9-15 % faster than the kernel's from T=512 on, and no slower below.
+// NOTES: H100, 2026-11-26, MXFP4 w4a8 forced onto the FP8-wgmma path, 1 round, per replay, over the BF16 path (then
+// the default; docs/bench/h100-2026-11-26h-ab-mxfp4-fp8mma-gather-fold.json): folding L1's tokens in the gather
+// 0.90-0.94 at T=8192, 0.97-1.03 at 512-2048, 0.98-1.00 at 1-128; folding in the kernel 1.05-1.06 / 1.00-1.11 /
+// 0.98-0.99. L2's in L1's epilogue as well (-ab-mxfp4-w4a8-fold-l2.json, 2 rounds): another 3-10 % from T=512 on.
 inline bool fp4_folded_tokens() {
   const char* env = std::getenv("MEGAMOE_MXFP4_FOLD_TOKENS");
   return env == nullptr || env[0] != '0';
