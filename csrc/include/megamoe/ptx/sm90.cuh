@@ -400,7 +400,7 @@ struct WgmmaFP8RS<16> {
 };
 
 template <>
-struct WgmmaFP8RS<32> {  // FP4 FP8-wgmma path: block_m 32, or a 64-token tile's live columns up to 32 rows
+struct WgmmaFP8RS<32> {
   static constexpr int kNumRegs = 16;
   __device__ __forceinline__ static void run(float* d, const uint32_t* a, uint64_t desc_b, bool accumulate) {
     asm volatile(
