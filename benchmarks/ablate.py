@@ -25,6 +25,8 @@ FP4 kernel (docs/perf-notes.md: its decode tiles run at 1.2-1.3x the weight-byte
   fp4-no-decode      the consumers' E2M1 bit placement becomes one XOR per register (BF16 path: mask, IMAD, mask per
                      bf16 pair; FP8-wgmma path: the PRMT table lookups and sign spreading); the scale multiply stays
   fp4-no-weight-tma  no weight tile (its bytes leave the stage's expect_tx; scales still copied)
+  fp4-no-promote     FP8-wgmma path: each 128-K group's partial is added to the accumulator unscaled (no factor
+                     loads, no products)
   fp4-no-mma         no wgmma: each decoded A fragment is folded into the accumulator by XORs and one add (keeps the
                      decode live), so the tensor pipe is idle (is the register-A wgmma the prefill limit?)
 
@@ -129,6 +131,11 @@ PATCHES = {
         ("            ptx::tma_load_2d(tile_a(i), &tmap_weights,", "            if (false) ptx::tma_load_2d(tile_a(i), &tmap_weights,"),
         ("            ptx::tma_load_2d(tile_a(stage), &tmap_weights,",
          "            if (false) ptx::tma_load_2d(tile_a(stage), &tmap_weights,"),
+    ],
+    # FP8-wgmma path: each group's partial is added unscaled (no factor loads, no products): what the promotion costs.
+    "fp4-no-promote": [
+        ("            acc[ls][i] = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);",
+         "            acc[ls][i] += part[i];"),
     ],
     "fp4-no-mma": [
         ("            MmaW::run(part, a8[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16), s > 0);",

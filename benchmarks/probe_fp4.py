@@ -24,7 +24,11 @@ to 255 registers; with the converters of full+conv, 448 threads, ptxas allocates
               m64n64k32 FP8 wgmmas into a partial, a full wait and the promotion per unit (FP8 ideal: 1,024 cycles)
   fp8-mma     the same without the decode;  fp8-decode: the decode only (256 x 64 tile only)
   fp8-wide-full / fp8-wide-mma  the FP8-path unit on a 128 x 256 tile (m64n128k32, two token halves per decode: a
-              quarter of 256 x 64's decode per MAC), reported per 4M MACs
+              quarter of 256 x 64's decode per MAC), reported per 4M MACs; and (the rows of tile 128x128) on a
+              128 x 128 tile (one n128 block per decode: half of 256 x 64's decode per MAC)
+  fp8-ffma / fp8-fadd  fp8-full (256 x 64) or fp8-wide-full (128 x 128) with a cheaper promotion: the tokens' factors
+              only (one FFMA per accumulator: weights folded relative to one exponent per row for the whole K), or
+              none (one FADD: tokens too)
   e4m3-ss     MXFP4 only: the consumers decode to E4M3 into shared memory (two buffers per warpgroup) and issue
               shared-memory FP8 wgmmas (m64n64k32) with per-group promotion: decode and MMA can overlap within a
               warp (256 x 64 tile only; its FP8 ideal is half the BF16 one)
@@ -359,10 +363,12 @@ __global__ void __launch_bounds__(256, 1) pipe_kernel(int iters, int64_t* cycles
 template <int kTokens> constexpr int kFp8Smem = kStages * kStage + 2 * kTokens * 128 + 2 * kTokens * 4 + 256 + 1024;
 template <int kN> struct Fp8Rs { using T = ptx::WgmmaFP8RS<kN>; };
 template <> struct Fp8Rs<128> { using T = WgmmaFP8RS128; };
-template <int kMode, int kTokens>  // kMode: 0 full, 1 mma, 2 decode (64 tokens only); kTokens: 64 or 256
+// kPromo: the promotion per unit: 0 the kernel's (rows' x tokens' factors: FMUL + FFMA), 1 the tokens' factors only
+// (FFMA: weights folded relative to one exponent per row for the whole K), 2 none (FADD: tokens too).
+template <int kMode, int kTokens, int kPromo = 0>  // kMode: 0 full, 1 mma, 2 decode (64 tokens only); kTokens: 64, 128, 256
 __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cycles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  static_assert(kTokens == 64 || (kTokens == 256 && kMode != 2), "probe: 256 x 64 or 128 x 256");
+  static_assert(kTokens == 64 || ((kTokens == 128 || kTokens == 256) && kMode != 2), "probe: 256 x 64, 128 x 128 or 128 x 256");
   constexpr int kN = kTokens == 64 ? 64 : 128;      // wgmma N
   constexpr int kSlices = kTokens == 64 ? 2 : 1;     // 64-row weight slices per consumer warpgroup
   constexpr int kBlocks = kTokens / kN;              // token blocks of kN per decode
@@ -435,7 +441,10 @@ __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cyc
 #pragma unroll
           for (int i = 0; i < kRegs; ++i) {
             const float f = kN == 64 ? fc[(i / 4) * 2 + (i % 2)] : fcol[8 * (i / 4) + 2 * q + (i % 2)];
-            acc[ls * kBlocks + h][i] = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * f, acc[ls * kBlocks + h][i]);
+            float& a = acc[ls * kBlocks + h][i];
+            if constexpr (kPromo == 0) a = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * f, a);
+            else if constexpr (kPromo == 1) a = fmaf(part[i], f, a);
+            else a += part[i];
           }
         }
       }
@@ -569,6 +578,24 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
+  if (tile == 0 && (mode == 13 || mode == 14)) {
+    auto kernel = mode == 13 ? fp8path_kernel<0, 64, 1> : fp8path_kernel<0, 64, 2>;
+    constexpr int kBytes = kFp8Smem<64> > 114 * 1024 ? kFp8Smem<64> : 114 * 1024;  // one CTA per SM
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+    kernel<<<ctas, 256, kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters), cycles.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  if (tile == 3 && mode >= 11 && mode <= 14) {
+    auto kernel = mode == 11 ? fp8path_kernel<0, 128> : mode == 12 ? fp8path_kernel<1, 128>
+                : mode == 13 ? fp8path_kernel<0, 128, 1> : fp8path_kernel<0, 128, 2>;
+    constexpr int kBytes = kFp8Smem<128> > 114 * 1024 ? kFp8Smem<128> : 114 * 1024;  // one CTA per SM
+    static_assert(kBytes <= 227 * 1024, "probe: shared memory");
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+    kernel<<<ctas, 256, kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters), cycles.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   if (tile == 2 && (mode == 11 || mode == 12)) {
     auto kernel = mode == 11 ? fp8path_kernel<0, 256> : fp8path_kernel<1, 256>;
     constexpr int kBytes = kFp8Smem<256>;
@@ -601,9 +628,10 @@ CUDA_SRC = CUDA_SRC.replace("RS128_SRC", _rs128(fp8=False) + _rs128(fp8=True))
 CPP_SRC = "void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles);"
 
 MODES = ("full", "mma-wait", "decode", "mma-stream", "full+conv", "e4m3-ss", "pipe", "pipe-x", "fp8-full",
-         "fp8-mma", "fp8-decode", "fp8-wide-full", "fp8-wide-mma")
+         "fp8-mma", "fp8-decode", "fp8-wide-full", "fp8-wide-mma", "fp8-ffma", "fp8-fadd")
 MACS_PER_STAGE = 256 * 256 * 64  # 256 weight rows x 256 K x 64 tokens, or 128 x 256 x 128
-TILES = ((0, "256x64", (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)), (1, "128x128", (0, 1, 3, 6, 7)), (2, "128x256", (11, 12)))
+TILES = ((0, "256x64", (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)), (1, "128x128", (0, 1, 3, 6, 7)), (2, "128x256", (11, 12)),
+         (3, "128x128", (11, 12, 13, 14)), (0, "256x64", (13, 14)))
 STAGE_MACS = {2: 2}  # tiles whose 256-K stage holds more than MACS_PER_STAGE: cycles are reported per MACS_PER_STAGE
 BF16_MACS_PER_CYCLE = 2048  # dense BF16 per SM (H100: 989 TFLOP/s at 1.83 GHz over 132 SMs)
 
