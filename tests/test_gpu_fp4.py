@@ -277,9 +277,10 @@ def test_mxfp4_fp8_mma_narrow_equals_full_width(act_format, block_m, hidden, int
     assert_narrow_equals_full_width(case, block_m, True, monkeypatch)
 
 
-@pytest.mark.parametrize("weight_format,act_format", [("nvfp4", "fp4"), ("nvfp4", "fp8"), ("mxfp4", "fp8")])
+@pytest.mark.parametrize("weight_format,act_format,fp8_mma", [("nvfp4", "fp4", False), ("nvfp4", "fp8", False),
+                                                                ("mxfp4", "fp8", False), ("mxfp4", "fp8", True)])
 @pytest.mark.parametrize("hidden,inter", [(384, 256), (256, 1024), (1024, 1024)])
-def test_wide_tail_equals_no_tail(weight_format, act_format, hidden, inter, monkeypatch):
+def test_wide_tail_equals_no_tail(weight_format, act_format, fp8_mma, hidden, inter, monkeypatch):
     """The wide-tail build (block_m 16, NVFP4 or FP8 tokens, no split; by default from 11 expected rows per expert): an
     expert's last token block takes up to 8 rows past 16, one m64n24 tile instead of a second tile.
     MEGAMOE_FP4_WIDE_TAIL=1 / =0 forces it on / off (the routing's token blocks show which ran). Each output's products
@@ -287,7 +288,8 @@ def test_wide_tail_equals_no_tail(weight_format, act_format, hidden, inter, monk
     the pool and combine area, L1's float32 scratch with NVFP4 tokens), for experts whose last block is narrow (1-8
     rows: m64n8 with NVFP4 tokens; FP8 tokens run every tile of the build at m64n24), 9-16 rows, wide (17-24 rows past
     the full blocks) or several blocks deep; also with MEGAMOE_FP4_NARROW_MMA=0 (a different build with NVFP4 tokens
-    only; with FP8 tokens it repeats the run). MXFP4 weights with FP8 tokens are pinned to the BF16 path. Hidden 384
+    only; with FP8 tokens it repeats the run). MXFP4 weights with FP8 tokens run both paths (the FP8-wgmma path's
+    build takes folded tokens and runs every tile on m64n24k32). Hidden 384
     runs a partial last L1 stage; intermediate 1024 gives each CTA several L1 tiles (and L2 tiles at hidden 1024), so
     the shared-memory early inputs and token tiles are rewritten between tiles."""
     rows = [1, 8, 9, 15, 16, 17, 20, 23, 24, 25, 31, 32, 33, 40, 41, 47, 48, 49, 56, 57, 0, 12]
@@ -297,7 +299,8 @@ def test_wide_tail_equals_no_tail(weight_format, act_format, hidden, inter, monk
     case.ref = case.reference()
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", "16")
     monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "0")
-    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "0")  # the FP8-wgmma path has no wide-tail build
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1" if fp8_mma else "0")
+    monkeypatch.setenv("MEGAMOE_MXFP4_FOLD_TOKENS", "1")  # the FP8-wgmma path's build takes folded tokens only
 
     def run(tail):
         monkeypatch.setenv("MEGAMOE_FP4_WIDE_TAIL", "1" if tail else "0")

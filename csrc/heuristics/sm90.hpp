@@ -251,12 +251,24 @@ constexpr int fp4_round_1k(int b) { return (b + 1023) / 1024 * 1024; }
 // FP8 tokens, no split).
 constexpr int kFp4TailRows = 8;
 constexpr int fp4_tile_cols(int block_m, bool wide_tail) { return block_m + (wide_tail ? kFp4TailRows : 0); }
-// tail_tokens: the tokens' recipe has the build (NVFP4, or FP8 on the BF16 path; not MXFP4, not the FP8-wgmma path).
-inline int fp4_tail_rows(int block_m, int64_t expected_rows, bool tail_tokens, bool split_k) {
-  if (block_m != 16 || !tail_tokens || split_k) return 0;
+// The expected rows per expert from which the tokens' recipe runs its wide-tail build; 0: it has none (MXFP4 tokens,
+// or FP8 tokens on the FP8-wgmma path that are not folded). NVFP4 tokens, FP8 tokens on the BF16 path: 11 (above).
+// Folded FP8 tokens on the FP8-wgmma path (every tile of the build on m64n24k32): 14. NOTES: H100 A/B (2026-11-26, 2
+// rounds, MXFP4 w4a8, the build forced from 11 rows, time over no tail per replay / in a graph;
+// docs/bench/h100-2026-11-26j-ab-fp4-fp8mma-wide-tail.json): V4-Flash T=640 (15 rows) 0.940 / 0.951, V4-Pro 896 (14)
+// 0.961 / 0.960, but V4-Flash 512 (12) 1.030 / 1.054 and V4-Pro 768 (12) 1.025 / 1.013; 9-10 rows and 18-21 rows
+// (block_m 32) within +-1.4 %. With m64n16 for the tiles of at most 16 rows (a second stage body) it lost more at 12
+// rows (1.066 / 1.058, 1.036 / 1.021) and gained less at 14-15 (0.98): the loss at 12 rows is not the wider wgmma.
+inline int fp4_tail_from_rows(bool nv_tokens, bool fp8_tokens, bool fp8_mma, bool folded) {
+  if (nv_tokens) return 11;
+  if (!fp8_tokens) return 0;
+  return !fp8_mma ? 11 : folded ? 14 : 0;
+}
+inline int fp4_tail_rows(int block_m, int64_t expected_rows, int tail_from, bool split_k) {
+  if (block_m != 16 || tail_from == 0 || split_k) return 0;
   const char* env = std::getenv("MEGAMOE_FP4_WIDE_TAIL");
   if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1' ? kFp4TailRows : 0;
-  return expected_rows >= 11 ? kFp4TailRows : 0;
+  return expected_rows >= tail_from ? kFp4TailRows : 0;
 }
 // Expected rows per touched expert (token_block_for's argument for the FP4 kernels).
 inline int64_t fp4_expected_rows(int64_t num_tokens, int64_t top_k, int64_t num_experts) {
@@ -317,19 +329,20 @@ inline int fp4_split_round(int64_t num_tokens, int64_t top_k, int64_t num_expert
   return tiles > num_sms && tiles <= 3.0 * num_sms && last <= 0.5 * num_sms ? num_sms : 0;
 }
 
-// tail_tokens: as fp4_tail_rows's (the tokens' recipe has the wide-tail build). NOTES: with it, 14-15 expected rows
-// stay at block_m 16: an expert's rows up to 24 take one m64n24 tile, where block_m 32 runs a 32-row block. H100 A/B
+// tail_from: fp4_tail_from_rows (from which rows the tokens' recipe runs the wide-tail build). NOTES: with it, 14-15
+// expected rows stay at block_m 16: an expert's rows up to 24 take one m64n24 tile, where block_m 32 runs a 32-row
+// block. H100 A/B
 // (2026-11-26, 2 rounds, forced 16 over 32, per replay / in a graph; docs/bench/h100-2026-11-26f-ab-fp4-block16-*):
 // V4-Flash T=640 (15 rows) MXFP4 w4a8 0.921 / 0.936, NVFP4 w4a4 0.924 / 1.002, NVFP4 w4a8 0.950 / 0.952; V4-Pro 960
 // (15) 1.009 / 1.000, 0.969 / 0.978, 0.997 / 1.011; MXFP4 w4a4 (no wide-tail build) 1.05-1.11; at 23 rows 1.13-1.47.
 // Not where block_m 16 would split K (few experts: fp4_split_round), which takes no tail rows.
 inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts,
-                                                 int64_t hidden, int64_t intermediate, bool act_fp4, bool tail_tokens,
+                                                 int64_t hidden, int64_t intermediate, bool act_fp4, int tail_from,
                                                  int num_sms, int64_t num_ranks) {
   GroupedGemmConfig c;
   const int64_t rows = fp4_expected_rows(num_tokens, top_k, num_experts);
   int block = token_block_for(rows, 64);
-  if (block == 32 && rows <= 15 && fp4_tail_rows(16, rows, tail_tokens, false) > 0 &&
+  if (block == 32 && rows <= 15 && fp4_tail_rows(16, rows, tail_from, false) > 0 &&
       fp4_split_round(num_tokens, top_k, num_experts, (2 * intermediate + 255) / 256, 16, num_sms, num_ranks) == 0 &&
       fp4_split_round(num_tokens, top_k, num_experts, (hidden + 255) / 256, 16, num_sms, num_ranks) == 0)
     block = 16;

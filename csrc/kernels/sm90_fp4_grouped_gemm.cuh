@@ -455,13 +455,14 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
                                  const __grid_constant__ CUtensorMap tmap_acts_tail, Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
-  const bool folded = kFP8Mma && !kActFP4 && p.folded_tokens;  // Params::folded_tokens
+  // Params::folded_tokens (the FP8-wgmma wide-tail build takes folded tokens only: launch_layer)
+  const bool folded = kFP8Mma && !kActFP4 && (kWideTail || p.folded_tokens);
   // Token columns of the widest tile: in the wide-tail build an expert's last block may hold kTail rows past block_m
   // (routing tail_rows, heuristics::fp4_tail_rows; tmap_acts_tail loads them).
   constexpr int kCols = heuristics::fp4_tile_cols(kBlockM, kWideTail);
   constexpr int kTail = kCols - kBlockM;
-  static_assert(!kWideTail || (kBlockM == 16 && kRecipe != ActRecipe::kMXFP4 && !kFP8Mma && !kSplitK),
-                "the wide-tail build: block_m 16, NVFP4 or FP8 tokens on the BF16 path, no split");
+  static_assert(!kWideTail || (kBlockM == 16 && kRecipe != ActRecipe::kMXFP4 && !kSplitK),
+                "the wide-tail build: block_m 16, NVFP4 or FP8 tokens (on the FP8-wgmma path: folded), no split");
   using S = Smem<kBlockM, kCols, kActFP4>;
   constexpr int kNumBfTiles = S::kNumBfTiles;
   using Mma = ptx::WgmmaBF16RS<kCols>;
@@ -1469,10 +1470,10 @@ template <bool kIsL1, bool kNV, bool kFP8Mma = false>
 void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int num_sms, cudaStream_t stream) {
   // Tail rows route blocks of up to block_m + tail_rows rows, which only the wide-tail build holds.
   if (a.tail_rows != 0 && (a.tail_rows != heuristics::kFp4TailRows || block_m != 16 || a.recipe == ActRecipe::kMXFP4 ||
-                           kFP8Mma || p.split_round > 0))
+                           (kFP8Mma && !p.folded_tokens) || p.split_round > 0))
     throw std::runtime_error("megamoe: FP4 routing tail_rows = " + std::to_string(a.tail_rows) +
                              " needs the wide-tail build (tail_rows " + std::to_string(heuristics::kFp4TailRows) +
-                             ", block_m 16, NVFP4 or FP8 tokens on the BF16 path, no split K); got block_m " +
+                             ", block_m 16, NVFP4 or FP8 tokens, folded on the FP8-wgmma path, no split K); got block_m " +
                              std::to_string(block_m));
 // Split K of the last round (SplitPlan) is compiled for block_m 16 only (few tokens) and launched where the host gave a
 // workspace (heuristics::fp4_split_round): elsewhere the kernel without it, whose loops run K from 0 (the split-capable
@@ -1480,7 +1481,7 @@ void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int
 // The wide-tail build (heuristics::fp4_tail_rows: block_m 16, NVFP4 or FP8 tokens, no split) where the routing gave
 // tail rows.
 #define MEGAMOE_FP4_LAUNCH_SPLIT(BM, RECIPE, FP8MMA)                                                              \
-  if constexpr (BM == 16 && RECIPE != ActRecipe::kMXFP4 && !FP8MMA)                                               \
+  if constexpr (BM == 16 && RECIPE != ActRecipe::kMXFP4)                                                          \
     if (p.split_round == 0 && a.tail_rows > 0)                                                                    \
       return launch_config<BM, kIsL1, kNV, RECIPE, FP8MMA, false, true>(a, p, num_sms, stream);                  \
   return BM == 16 && p.split_round > 0 ? launch_config<BM, kIsL1, kNV, RECIPE, FP8MMA, BM == 16>(a, p, num_sms, stream) \

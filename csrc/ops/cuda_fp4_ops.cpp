@@ -44,9 +44,12 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   // (heuristics::fp4_tail_rows, from the expected rows per local expert).
   const int64_t expected_rows = heuristics::fp4_expected_rows(t, l.top_k, l.num_local_experts);
   const bool fp8_mma = format == WeightFormat::kMXFP4 && heuristics::choose_mxfp4_fp8_mma();
-  const bool tail_tokens = nv_acts || (recipe == ActRecipe::kFP8UE8M0Block32 && !fp8_mma);
+  // The FP8-wgmma path's FP8 tokens arrive folded (heuristics::fp4_folded_tokens): L1's by the gather, L2's by L1's
+  // epilogue.
+  const bool folded = fp8_mma && recipe == ActRecipe::kFP8UE8M0Block32 && heuristics::fp4_folded_tokens();
+  const int tail_from = heuristics::fp4_tail_from_rows(nv_acts, recipe == ActRecipe::kFP8UE8M0Block32, fp8_mma, folded);
   const auto cfg = heuristics::choose_fp4_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate,
-                                                       act_fp4, tail_tokens, sms, l.num_ranks);
+                                                       act_fp4, tail_from, sms, l.num_ranks);
   uint8_t* buf = buffer_ptr(buffer);
   const uint64_t e = l.num_local_experts, h = l.hidden, inter = l.intermediate, rows = l.pool_rows;
   const auto bm = static_cast<uint32_t>(cfg.block_m);
@@ -81,12 +84,9 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   }
   // ---- routing and gather (dispatch: every rank's tokens routed to this rank's experts). An expert's last token block
   // may hold tail rows past block_m where both GEMMs run a build with them (heuristics::fp4_tail_rows).
-  const int tail_rows = heuristics::fp4_tail_rows(cfg.block_m, expected_rows, tail_tokens, round1 + round2 > 0);
+  const int tail_rows = heuristics::fp4_tail_rows(cfg.block_m, expected_rows, tail_from, round1 + round2 > 0);
   kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
                           recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream, tail_rows);
-  // The FP8-wgmma path's FP8 tokens arrive folded (heuristics::fp4_folded_tokens): L1's by the gather, L2's by L1's
-  // epilogue.
-  const bool folded = fp8_mma && recipe == ActRecipe::kFP8UE8M0Block32 && heuristics::fp4_folded_tokens();
   kernels::launch_gather(buf, l, recipe, sms, stream, counters, counter_words, folded);
 
   const float clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;

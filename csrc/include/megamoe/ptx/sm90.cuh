@@ -400,6 +400,17 @@ struct WgmmaFP8RS<16> {
 };
 
 template <>
+struct WgmmaFP8RS<24> {
+  static constexpr int kNumRegs = 12;
+  __device__ __forceinline__ static void run(float* d, const uint32_t* a, uint64_t desc_b, bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\nwgmma.mma_async.sync.aligned.m64n24k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));
+  }
+};
+
+template <>
 struct WgmmaFP8RS<32> {
   static constexpr int kNumRegs = 16;
   __device__ __forceinline__ static void run(float* d, const uint32_t* a, uint64_t desc_b, bool accumulate) {
