@@ -277,6 +277,36 @@ def test_mxfp4_fp8_mma_narrow_equals_full_width(act_format, block_m, hidden, int
     assert_narrow_equals_full_width(case, block_m, True, monkeypatch)
 
 
+@pytest.mark.parametrize("hidden,inter,spread", [(384, 256, 0), (640, 896, 3), (1024, 1024, 12), (256, 2048, 0)])
+def test_mxfp4_block128_equals_block64(hidden, inter, spread, monkeypatch):
+    """Block_m 128 (MXFP4 w4a8 on the FP8-wgmma path, folded tokens: 128 x 128 tiles, one 64-row slice per consumer,
+    L1's SwiGLU pair exchanged, L2's input folded by a pass after L1) runs each output's products in the K order and
+    epilogue math of block_m 64, so the outputs are bitwise equal: experts of 1-300 rows (every n64 / n96 / n128 width
+    class, several 128-row blocks) and one empty, partial stages (hidden 384, 640; intermediate 896), token scales
+    spread within each 128-K group (12: the fold rounds), on poisoned GEMM outputs, narrow and full-width wgmmas."""
+    rows = [1, 16, 63, 64, 65, 96, 97, 127, 128, 129, 200, 256, 300, 0, 33]
+    case = case_with_rows(rows, hidden, inter, "mxfp4", "fp8", seed=801 + hidden + spread, routing_seed=802 + inter)
+    if spread:
+        chan = torch.arange(hidden, device="cuda") // 32 % 4
+        case.x = (case.x.float() * torch.exp2(chan.float() * spread / 3)).to(case.x.dtype)
+    case.ref = case.reference()
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
+    monkeypatch.setenv("MEGAMOE_MXFP4_FOLD_TOKENS", "1")
+
+    def run(block_m, narrow=True):
+        monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", str(block_m))
+        monkeypatch.setenv("MEGAMOE_FP4_NARROW_MMA", "1" if narrow else "0")
+        poison_gemm_outputs(case.buffer)
+        return run_poisoned(case)
+
+    y64 = run(64)
+    assert rel_err(y64, case.ref) <= (TOL if not spread else 5e-2)
+    y128 = run(128)
+    assert torch.equal(y128, y64)
+    assert torch.equal(run(128, narrow=False), y64)
+    assert torch.equal(run(128), y64)  # run to run
+
+
 @pytest.mark.parametrize("weight_format,act_format,fp8_mma", [("nvfp4", "fp4", False), ("nvfp4", "fp8", False),
                                                                 ("mxfp4", "fp8", False), ("mxfp4", "fp8", True)])
 @pytest.mark.parametrize("hidden,inter", [(384, 256), (256, 1024), (1024, 1024)])
@@ -641,7 +671,7 @@ def model_layer(request):
 
 
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
-@pytest.mark.parametrize("num_tokens", [1, 16, 128, 512, 2048])
+@pytest.mark.parametrize("num_tokens", [1, 16, 128, 512, 2048, 8192])  # V4-Flash 8192: block_m 128 with MXFP4 w4a8
 def test_deepseek_v4_shapes(model_layer, act_format, num_tokens):
     name, weight_format, (e, k, h, i), (w13, sf13, g13, w2, sf2, g2), l1, l2 = model_layer
     if name == "V4-Pro" and num_tokens not in (1, 512):

@@ -278,26 +278,35 @@ inline int64_t fp4_expected_rows(int64_t num_tokens, int64_t top_k, int64_t num_
 // Token scales per stage: one row per 16- or 32-K block (16 rows for NVFP4 activations, 8 otherwise) of
 // cols + 4 bytes (the 4-byte aligned window cp.async copies around the tile's first row).
 constexpr int fp4_act_sf_bytes(int cols, bool act_fp4) { return fp4_round_1k((act_fp4 ? 16 : 8) * (cols + 4)); }
-constexpr int fp4_stage_bytes(int cols, bool act_fp4) {
-  return 256 * 128 + fp4_round_1k(cols * (act_fp4 ? 128 : 256)) + 256 * 16 + fp4_act_sf_bytes(cols, act_fp4);
+// Weight rows per FP4 tile: 256, or 128 at block_m 128 (the FP8-wgmma path's 128 x 128 tile: one 64-row slice per
+// consumer warpgroup, half the decode per MAC of 256 x 64; choose_fp4_grouped_gemm).
+constexpr int fp4_tile_n(int block_m) { return block_m == 128 ? 128 : 256; }
+constexpr int fp4_stage_bytes(int block_m, int cols, bool act_fp4) {
+  return fp4_tile_n(block_m) * 128 + fp4_round_1k(cols * (act_fp4 ? 128 : 256)) + fp4_tile_n(block_m) * 16 +
+         fp4_act_sf_bytes(cols, act_fp4);
 }
 // Converted bf16 token tiles in flight (the converters run at most this many minus one stages ahead).
 // NOTES: three for block_m 16 (H100 A/B, 2026-11-22: 0-7 % faster at T = 16-512 than two, although the third
-// tile costs a weight stage, 5 -> 4); two otherwise, where a third would cost a stage of 3-4.
-constexpr int fp4_num_bf_tiles(int block_m) { return block_m == 16 ? 3 : 2; }
-// Fixed part: the bf16 token tiles (cols x 256 K x 2 bytes each; the epilogue reuses them), barriers,
-// the FP8-wgmma path's fold tables, the wide-tail build's early epilogue inputs, alignment slack.
+// tile costs a weight stage, 5 -> 4); two otherwise, where a third would cost a stage of 3-4. Block_m 128 takes folded
+// tokens only (nothing to convert): one tile, the epilogue's scratch.
+constexpr int fp4_num_bf_tiles(int block_m) { return block_m == 16 ? 3 : block_m == 128 ? 1 : 2; }
+// One bf16 token tile (cols x 256 K x 2 bytes); block_m 128: the epilogue's scratch, cols x 256 bytes (L2's staged
+// bf16 outputs [cols][128], L1's SwiGLU exchange [2][32][128] floats).
+constexpr int fp4_bf_tile_bytes(int block_m, int cols) { return block_m == 128 ? cols * 256 : cols * 512; }
+// Fixed part: the bf16 token tiles (the epilogue reuses them), barriers, the FP8-wgmma path's fold tables, the
+// wide-tail build's early epilogue inputs, alignment slack.
 constexpr int fp4_fixed_bytes(int block_m, int cols) {
-  return fp4_num_bf_tiles(block_m) * cols * 512 + 1024 + 256 + 256 + (cols != block_m ? 512 : 0);
+  return fp4_num_bf_tiles(block_m) * fp4_bf_tile_bytes(block_m, cols) + 1024 + 256 + 256 + (cols != block_m ? 512 : 0);
 }
 // Deepest pipeline in the 227 KB a block may use: block_m 16: 4 stages (E4M3 tokens) or 5 (E2M1 tokens; 4 with the
-// wide last block's 24 columns); 32: 4; 64: 3.
+// wide last block's 24 columns); 32: 4; 64: 3; 128: 3.
 constexpr int fp4_num_stages_for(int block_m, bool act_fp4, int cols) {
-  return (227 * 1024 - fp4_fixed_bytes(block_m, cols)) / fp4_stage_bytes(cols, act_fp4);
+  return (227 * 1024 - fp4_fixed_bytes(block_m, cols)) / fp4_stage_bytes(block_m, cols, act_fp4);
 }
 static_assert(fp4_num_stages_for(16, false, 16) == 4 && fp4_num_stages_for(16, true, 16) == 5 &&
                   fp4_num_stages_for(16, true, 24) == 4 && fp4_num_stages_for(16, false, 24) == 4 &&
-                  fp4_num_stages_for(32, true, 32) == 4 && fp4_num_stages_for(64, false, 64) == 3,
+                  fp4_num_stages_for(32, true, 32) == 4 && fp4_num_stages_for(64, false, 64) == 3 &&
+                  fp4_num_stages_for(128, false, 128) == 3,
               "FP4 stage counts");
 
 // Split K of the last round for one FP4 grouped GEMM (sm90_fp4_grouped_gemm.cuh, SplitPlan): the tiles of one round
@@ -336,17 +345,34 @@ inline int fp4_split_round(int64_t num_tokens, int64_t top_k, int64_t num_expert
 // V4-Flash T=640 (15 rows) MXFP4 w4a8 0.921 / 0.936, NVFP4 w4a4 0.924 / 1.002, NVFP4 w4a8 0.950 / 0.952; V4-Pro 960
 // (15) 1.009 / 1.000, 0.969 / 0.978, 0.997 / 1.011; MXFP4 w4a4 (no wide-tail build) 1.05-1.11; at 23 rows 1.13-1.47.
 // Not where block_m 16 would split K (few experts: fp4_split_round), which takes no tail rows.
+// block128: the recipe has the block_m 128 build (MXFP4 weights on the FP8-wgmma path with folded FP8 tokens:
+// fp4_block128_recipe), taken where fp4_block128_for says. Its 128 x 128 tiles decode half the weights per MAC of
+// 256 x 64's but cost more tiles where an expert's last 128-row block is small: it wins where its tiles per 256 weight
+// rows (2 per 128-row token block) are no more than block_m 64's (one per 64-row block, counted at the mean rows plus
+// one standard deviation of an expert's rows, sqrt(rows): the blocks of the fuller experts).
+// NOTES: H100 A/Bs (2026-11-26, 2 rounds, MXFP4 w4a8, time at block_m 128 over 64 per replay / in a graph;
+// docs/bench/h100-2026-11-26j-ab-fp4-block128-*.json). Chosen: V4-Flash 72 rows (T=3072) 0.763 / 0.756, 84 0.741 /
+// 0.711, 96 0.77 / 0.77, 120 0.919 / 0.920, 192 0.938 / 0.942; V4-Pro 80 0.699 / 0.692, 96 0.735 / 0.731, 112 0.805 /
+// 0.805, 128 0.950 / 0.950. Not chosen: V4-Flash 144 1.066 / 1.057, 168 1.057 / 1.065; 60 rows 1.017 / 0.962; 24-56 rows
+// 1.04-1.24.
+inline bool fp4_block128_recipe(bool fp8_mma, bool folded) { return fp8_mma && folded; }
+inline bool fp4_block128_for(int64_t rows) {
+  if (rows <= 64) return false;
+  const int64_t blocks64 = static_cast<int64_t>(std::ceil((rows + std::sqrt(double(rows))) / 64.0));
+  return blocks64 >= 2 * ((rows + 127) / 128);
+}
 inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts,
                                                  int64_t hidden, int64_t intermediate, bool act_fp4, int tail_from,
-                                                 int num_sms, int64_t num_ranks) {
+                                                 bool block128, int num_sms, int64_t num_ranks) {
   GroupedGemmConfig c;
   const int64_t rows = fp4_expected_rows(num_tokens, top_k, num_experts);
   int block = token_block_for(rows, 64);
+  if (block128 && fp4_block128_for(rows)) block = 128;
   if (block == 32 && rows <= 15 && fp4_tail_rows(16, rows, tail_from, false) > 0 &&
       fp4_split_round(num_tokens, top_k, num_experts, (2 * intermediate + 255) / 256, 16, num_sms, num_ranks) == 0 &&
       fp4_split_round(num_tokens, top_k, num_experts, (hidden + 255) / 256, 16, num_sms, num_ranks) == 0)
     block = 16;
-  c.block_m = forced_block_m("MEGAMOE_FP4_BLOCK_M", block, 64);
+  c.block_m = forced_block_m("MEGAMOE_FP4_BLOCK_M", block, block128 ? 128 : 64);
   c.num_stages = fp4_num_stages_for(c.block_m, act_fp4, c.block_m);
   c.fused = false;  // the FP4 kernels run L1 and L2 as two launches
   c.pairs = false;

@@ -95,5 +95,9 @@ void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, co
 // block scales (K-block-major) and the per-row global scale in the pool (the pre_dispatch recipe).
 void launch_nvfp4_requant(const float* scratch, uint8_t* buffer, const layout::BufferLayout& layout, int max_rows,
                           int num_sms, cudaStream_t stream);
+// FP8 tokens into L2 on the FP8-wgmma path after a block_m 128 L1 (whose epilogue cannot fold): the pool's rows folded in
+// place per 128-K group (fold_fp8_group), their float32 factors into `factors` [intermediate / 128, pool_rows].
+void launch_pool_fold(uint8_t* buffer, const layout::BufferLayout& layout, float* factors, int num_sms,
+                      cudaStream_t stream);
 
 }  // namespace megamoe::kernels

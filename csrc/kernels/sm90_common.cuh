@@ -503,6 +503,7 @@ constexpr bool staged_fragment_delta_is_exact() {
   return true;
 }
 static_assert(staged_fragment_delta_is_exact<256, 64>(), "staged_fragment_delta or the swizzle is wrong");
+static_assert(staged_fragment_delta_is_exact<128, 128>(), "the same for the block_m 128 tile (128 outputs, 128 tokens)");
 
 // L2 epilogue copy-out of the FP4 kernel (the FP8 kernel: bulk_store_combine_row below): the staged bf16 tile
 // [block_m][256] of output features goes to

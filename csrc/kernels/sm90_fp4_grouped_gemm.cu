@@ -126,7 +126,41 @@ __global__ void __launch_bounds__(kRequantMaxThreads) nvfp4_requant_kernel(const
   }
 }
 
+// L2's FP8 input folded after a block_m 128 L1 (heuristics::fp4_tile_n: a 128-row tile writes 64 outputs, half of
+// L2's 128-K group, so its epilogue cannot fold): a thread per (row, 128-K group), rows fastest (the scale bytes are
+// K-block-major), folds the group in place with the gather's fold_fp8_group (the same bits as the L1 epilogue's
+// folded copy-out) and stores its factor 2^(T - 127) in factors [inter / 128, pool_rows].
+__global__ void __launch_bounds__(256) pool_fold_kernel(uint8_t* buffer, layout::BufferLayout l, float* factors) {
+  ptx::grid_dependency_wait();  // L1's outputs
+  ptx::launch_dependents();
+  const int rows = __ldcg(reinterpret_cast<const int*>(buffer + l.expert_offset_offset) + l.num_local_experts);
+  const int groups = static_cast<int>(l.intermediate / 128);
+  const uint8_t* pool_sf = buffer + l.pool_sf_offset;
+  const int64_t total = int64_t(rows) * groups;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int g = static_cast<int>(i / rows), row = static_cast<int>(i % rows);
+    uint4* data = reinterpret_cast<uint4*>(buffer + l.pool_offset + int64_t(row) * l.intermediate + g * 128);
+    uint32_t scales4 = 0;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) scales4 |= uint32_t(__ldcg(pool_sf + int64_t(4 * g + q) * l.pool_rows + row)) << (8 * q);
+    uint4 in[8], out[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) in[c] = __ldcg(data + c);
+    const uint32_t tmax = fold_fp8_group(in, scales4, out);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) data[c] = out[c];
+    factors[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
+  }
+}
+
 }  // namespace
+
+void launch_pool_fold(uint8_t* buffer, const layout::BufferLayout& layout, float* factors, int num_sms,
+                      cudaStream_t stream) {
+  if (layout.intermediate % 128 != 0) throw std::runtime_error("megamoe: the pool fold needs intermediate % 128 == 0");
+  launch_pdl(pool_fold_kernel, dim3(num_sms * 4), dim3(256), 0, stream, buffer, layout, factors);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
 
 void launch_nvfp4_requant(const float* scratch, uint8_t* buffer, const layout::BufferLayout& layout, int max_rows,
                           int num_sms, cudaStream_t stream) {

@@ -67,7 +67,7 @@
 
 namespace megamoe::kernels::fp4 {
 
-constexpr int kBlockN = 256;  // weight rows per tile
+constexpr int kBlockN = 256;  // weight rows per tile (block_m 128: 128, heuristics::fp4_tile_n; Roles::kTileN)
 constexpr int kBlockK = 256;  // K per stage (128 packed bytes per weight row)
 
 // Consumer warpgroups per block. Decode (block_m 16): four, one 64-row slice each, so that every
@@ -85,12 +85,17 @@ constexpr int kBlockK = 256;  // K per stage (128 packed bytes per weight row)
 // warpgroup of four more after the consumers. NOTES: at prefill block sizes the two converter warps bounded the
 // stage: without any conversion (ablate.py fp4-no-convert) V4-Flash T=2048 ran 18-23 % faster (H100, 2026-11-25);
 // with the converter warpgroup, 2-9 % faster at T=2048 / 8192 (same day, docs/bench/h100-2026-11-25g-ab-fp4-no-convert.json).
+// Block_m 128 (the FP8-wgmma path with folded tokens only: a 128 x 128 tile, heuristics::fp4_tile_n): two consumer
+// warpgroups of one 64-row slice each (L1: the gate slice and its up slice, exchanged as at block_m 16), and no
+// converter warpgroup (producer warps 2-3 have nothing to convert): 384 threads, 224 registers per consumer thread.
 template <int kBlockM>
 struct Roles {
   static constexpr int kConsumers = kBlockM <= 16 ? 4 : 2;
-  static constexpr int kSlices = 4 / kConsumers;  // 64-row slices per consumer (L1: a gate + up pair when 2)
+  static constexpr int kSlices = kBlockM == 128 ? 1 : 4 / kConsumers;  // 64-row slices per consumer (L1: a gate + up pair when 2)
+  static constexpr int kTileN = 64 * kConsumers * kSlices;           // weight rows per tile (heuristics::fp4_tile_n)
+  static_assert(kTileN == heuristics::fp4_tile_n(kBlockM), "tile rows");
   static constexpr int kConsumerThreads = 128 * kConsumers;
-  static constexpr int kConverterWarps = kConsumers == 2 ? 6 : 2;
+  static constexpr int kConverterWarps = kConsumers == 2 && kBlockM != 128 ? 6 : 2;
   static constexpr int kConverterGroup = kConverterWarps > 2 ? 1 + kConsumers : -1;  // the fourth warpgroup, if any
   static constexpr int kThreads = 128 + kConsumerThreads + (kConverterWarps > 2 ? 128 : 0);
   // setmaxnreg: the launch gives every thread 65536 / kThreads registers (rounded down to 8); the producer
@@ -178,13 +183,15 @@ __device__ __forceinline__ SplitUnit split_unit(int unit, const SplitPlan& plan,
 template <int kBlockM, int kCols, bool kActFP4>
 struct Smem {
   static constexpr int kNumBfTiles = heuristics::fp4_num_bf_tiles(kBlockM);
-  static constexpr int kTileA = kBlockN * kBlockK / 2;
+  static constexpr int kTileN = heuristics::fp4_tile_n(kBlockM);
+  static constexpr int kTileA = kTileN * kBlockK / 2;
   static constexpr int kTileB = heuristics::fp4_round_1k(kCols * (kActFP4 ? 128 : 256));
-  static constexpr int kTileSW = kBlockN * kScaleWordsBytes;
+  static constexpr int kTileSW = kTileN * kScaleWordsBytes;
   static constexpr int kSARow = kCols + 4;  // bytes per token-scale row (4-byte aligned window)
   static constexpr int kTileSA = heuristics::fp4_act_sf_bytes(kCols, kActFP4);
   static constexpr int kStage = kTileA + kTileB + kTileSW + kTileSA;
-  static constexpr int kTileBF = kCols * kBlockK * 2;  // one bf16 token tile
+  static_assert(kStage == heuristics::fp4_stage_bytes(kBlockM, kCols, kActFP4), "stage bytes as the heuristics count");
+  static constexpr int kTileBF = heuristics::fp4_bf_tile_bytes(kBlockM, kCols);  // one bf16 token tile
   template <int kStages>
   static constexpr int bytes() {
     return 1024 /* alignment slack */ + kStages * kStage + kNumBfTiles * kTileBF + 256 /* barriers */ +
@@ -455,8 +462,12 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
                                  const __grid_constant__ CUtensorMap tmap_acts_tail, Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
-  // Params::folded_tokens (the FP8-wgmma wide-tail build takes folded tokens only: launch_layer)
-  const bool folded = kFP8Mma && !kActFP4 && (kWideTail || p.folded_tokens);
+  // Block_m 128 (Roles): folded FP8 tokens on the FP8-wgmma path only; the converters and the bf16 ring are not built.
+  constexpr bool kFoldedOnly = kBlockM == 128;
+  static_assert(!kFoldedOnly || (kFP8Mma && !kNV && kRecipe == ActRecipe::kFP8UE8M0Block32 && !kSplitK && !kWideTail),
+                "block_m 128: MXFP4 weights on the FP8-wgmma path with folded FP8 tokens, no split, no tail");
+  // Params::folded_tokens (the FP8-wgmma wide-tail build and block_m 128 take folded tokens only: launch_layer)
+  const bool folded = kFP8Mma && !kActFP4 && (kWideTail || kFoldedOnly || p.folded_tokens);
   // Token columns of the widest tile: in the wide-tail build an expert's last block may hold kTail rows past block_m
   // (routing tail_rows, heuristics::fp4_tail_rows; tmap_acts_tail loads them).
   constexpr int kCols = heuristics::fp4_tile_cols(kBlockM, kWideTail);
@@ -465,17 +476,19 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
                 "the wide-tail build: block_m 16, NVFP4 or FP8 tokens (on the FP8-wgmma path: folded), no split");
   using S = Smem<kBlockM, kCols, kActFP4>;
   constexpr int kNumBfTiles = S::kNumBfTiles;
-  using Mma = ptx::WgmmaBF16RS<kCols>;
-  constexpr int kRegs = Mma::kNumRegs;
+  using Mma = ptx::WgmmaBF16RS<kFoldedOnly ? 64 : kCols>;  // the BF16 path (not built at block_m 128)
+  constexpr int kRegs = kCols / 2;                           // accumulator registers per 64-row slice
+  static_assert(kFoldedOnly || Mma::kNumRegs == kRegs, "accumulator layout");
   using R = Roles<kBlockM>;
   constexpr int kNumConsumerThreads = R::kConsumerThreads;
   constexpr int kSlices = R::kSlices;
+  constexpr int kTileN = R::kTileN;  // weight rows per tile
   constexpr int kWBlk = kNV ? 16 : 32;                            // weight scale block (K)
   constexpr int kABlk = kRecipe == ActRecipe::kNVFP4 ? 16 : 32;   // token scale block (K)
   constexpr int kABlocks = kBlockK / kABlk;                       // token scale rows per stage
   constexpr int kWWords = kBlockK / kWBlk / 4;                    // weight scale words per row per stage
-  static_assert(kBlockM % 16 == 0 && kBlockM <= 64, "token block must be 16, 32 or 64");
-  static_assert(kCols % 8 == 0 && kCols <= 64, "tile columns");
+  static_assert(kBlockM % 16 == 0 && (kBlockM <= 64 || kFoldedOnly), "token block must be 16, 32, 64 or 128");
+  static_assert(kCols % 8 == 0 && kCols <= 128, "tile columns");
   static_assert(!kFP8Mma || !kNV, "the FP8-wgmma path is for MXFP4 weights (NVFP4 scales are not powers of two)");
   using MmaFP8 = ptx::WgmmaFP8RS<kFP8Mma ? kCols : 16>;
   static_assert(!kFP8Mma || MmaFP8::kNumRegs == kRegs, "one accumulator layout for both paths");
@@ -507,7 +520,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   float* early_base = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(full) + 512);
   const EarlyInputs early_in{early_base, early_base + kCols, reinterpret_cast<int*>(early_base + 2 * kCols)};
   static_assert(!kWideTail || 3 * kCols * 4 <= 512, "early input area of Smem::bytes (the wide-tail build only)");
-  static_assert(2 * kCols * 128 + 2 * kCols * 4 <= S::kTileBF, "E4M3 token tile and factors in a ring tile");
+  static_assert(kFoldedOnly || 2 * kCols * 128 + 2 * kCols * 4 <= S::kTileBF, "E4M3 token tile and factors in a ring tile");
   auto tile_a = [&](int s) { return stages + s * S::kStage; };
   auto tile_b = [&](int s) { return stages + s * S::kStage + S::kTileA; };
   auto tile_sw = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB; };
@@ -519,7 +532,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   const int num_experts = static_cast<int>(l.num_local_experts);
   const int* tile_offset = reinterpret_cast<const int*>(p.buffer + l.tile_offset_offset);
   const int* expert_offset = reinterpret_cast<const int*>(p.buffer + l.expert_offset_offset);
-  const int num_nblocks = (p.n + kBlockN - 1) / kBlockN;
+  const int num_nblocks = (p.n + kTileN - 1) / kTileN;
   const int num_kblocks = (p.k + kBlockK - 1) / kBlockK;
   // NOTES: routing metadata is final before this grid launches (see the FP8 kernel): the predecessor
   // allows the launch only after its own dependency wait, which follows the routing kernel.
@@ -530,7 +543,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
       ptx::mbarrier_init(&full[s], 1 + 32);  // TMA thread + the 32 scale-copy lanes
-      ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32 + R::kConverterWarps);
+      ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32 + (kFoldedOnly ? 0 : R::kConverterWarps));
     }
     for (int b = 0; b < kNumBfTiles; ++b) {
       ptx::mbarrier_init(&bf_full[b], R::kConverterWarps * 32);
@@ -595,7 +608,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           for (int i = 0; i < early; ++i) {
             const int kb = first_unit.kb_begin + i;
             ptx::mbarrier_arrive_expect_tx(&full[i], stage_bytes(kb, first.rows));
-            ptx::tma_load_2d(tile_a(i), &tmap_weights, &full[i], kb * (kBlockK / 2), first.expert * p.n + first.n_block * kBlockN);
+            ptx::tma_load_2d(tile_a(i), &tmap_weights, &full[i], kb * (kBlockK / 2), first.expert * p.n + first.n_block * kTileN);
           }
 #ifdef MEGAMOE_TILE_TRACE
           if (trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
@@ -609,7 +622,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks);
         const TileInfo t = is_first ? first : claim(u.tile);
         if (lane != 0) continue;  // lanes 1-31 take part in the search only
-        const int weight_row = t.expert * p.n + t.n_block * kBlockN;
+        const int weight_row = t.expert * p.n + t.n_block * kTileN;
         for (int kb = u.kb_begin; kb < u.kb_end; ++kb) {
           const bool full_stage = (kb + 1) * kBlockK <= p.k;
           if (!is_first || kb - u.kb_begin >= early) {
@@ -665,13 +678,13 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       const int64_t pool_rows = l.pool_rows;  // a multiple of 128: every window word is 4-byte aligned
       const int64_t total_rows = int64_t(num_experts) * p.n;
       auto copy_weight_scales = [&](const TileInfo& t, int kb, uint8_t* dst) {
-        const int64_t weight_row = int64_t(t.expert) * p.n + t.n_block * kBlockN;
+        const int64_t weight_row = int64_t(t.expert) * p.n + t.n_block * kTileN;
         if (p.wide_scale_copies && (kb + 1) * kBlockK <= p.k) {
           // One 8-byte (MXFP4) or 16-byte (NVFP4) copy per row: a quarter of the 4-byte copies, whose
           // count made this warp the limiter for NVFP4 (1,024 per stage).
           const int col = kb * (kBlockK / kWBlk);
 #pragma unroll 1
-          for (int r = lane; r < kBlockN; r += 32) {
+          for (int r = lane; r < kTileN; r += 32) {
             if (weight_row + r >= total_rows) break;
             const uint8_t* src = p.weights_sf + (weight_row + r) * row_bytes + col;
             if constexpr (kWWords == 4) ptx::cp_async_16(dst + r * kScaleWordsBytes, src);
@@ -679,7 +692,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           }
         } else {
 #pragma unroll 1
-          for (int i = lane; i < kBlockN * kWWords; i += 32) {
+          for (int i = lane; i < kTileN * kWWords; i += 32) {
             const int r = i / kWWords, word = i % kWWords;
             const int col = kb * (kBlockK / kWBlk) + 4 * word;
             if (weight_row + r < total_rows && col < row_bytes)
@@ -735,7 +748,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         }
       }
       ptx::cp_async_wait_all();
-    } else if (warp >= 2) {
+    } else if (warp >= 2 && !kFoldedOnly) {
       // Token tile -> bf16 tile b (a ring of kNumBfTiles). Tile b is free once every consumer warp has finished
       // the wgmmas that read it; the stage is released to the producer once its token part is converted.
       const int ctid = warpgroup == 0 ? threadIdx.x - 64 : threadIdx.x - (128 + kNumConsumerThreads) + 64;
@@ -858,13 +871,18 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     float early_gw = 1.0f;  // the expert's weight global scale (early inputs)
     float col_f[kCols / 4];
     float col_w[kCols / 4];
-    int src[combine_tile_iters<kCols, kBlockN, kNumConsumerThreads>()];
+    int src[combine_tile_iters<kCols, kTileN, kNumConsumerThreads>()];
     // Every load issues before the first product waits for one: the token scale is loaded outside the product's
     // condition (inside it ptxas branched per row, and each row's product waited for its load before the next load
     // issued: 1 + block_m / 4 round trips in a row with NVFP4 weights and tokens). The products are taken here, not
     // kept raw for the epilogue: that register more (the weight scale) spilled in L1 MXFP4 x MXFP4 tokens at block_m
     // 16; at the tile start their one round trip overlaps the converters' first stage.
     auto load_factors = [&](const TileInfo& ti) {
+      if constexpr (kFoldedOnly) {  // MXFP4 weights, FP8 tokens: no global scales (32 registers fewer)
+#pragma unroll
+        for (int j = 0; j < kCols / 4; ++j) col_f[j] = 1.0f;
+        return;
+      }
       const float gw = p.weights_global_sf != nullptr ? __ldg(p.weights_global_sf + ti.expert) : 1.0f;
 #pragma unroll
       for (int j = 0; j < kCols / 4; ++j) {
@@ -900,11 +918,11 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         if constexpr (kIsL1) col_w[j] = early_in.w[col];
       }
       if constexpr (!kIsL1) {
-        constexpr int kChunks = kCols * (kBlockN / 8);
+        constexpr int kChunks = kCols * (kTileN / 8);
 #pragma unroll
-        for (int it = 0; it < combine_tile_iters<kCols, kBlockN, kNumConsumerThreads>(); ++it) {
+        for (int it = 0; it < combine_tile_iters<kCols, kTileN, kNumConsumerThreads>(); ++it) {
           const int c = ctid + it * kNumConsumerThreads;
-          src[it] = c < kChunks ? early_in.src[c / (kBlockN / 8)] : -1;
+          src[it] = c < kChunks ? early_in.src[c / (kTileN / 8)] : -1;
         }
       }
     };
@@ -917,7 +935,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           col_w[j] = col < ti.rows ? row_weight[ti.row0 + col] : 0.0f;
         }
       } else {
-        load_combine_srcs<kCols, kBlockN, kNumConsumerThreads>(
+        load_combine_srcs<kCols, kTileN, kNumConsumerThreads>(
             src, reinterpret_cast<const int*>(p.buffer + l.pool_src_offset) + ti.row0, ti.rows, ctid);
       }
     };
@@ -966,7 +984,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #ifdef MEGAMOE_TILE_TRACE
       const int64_t trace_w1 = clock64();
 #endif
-      ptx::mbarrier_wait(&bf_full[b], bphase);
+      if constexpr (!kFoldedOnly) ptx::mbarrier_wait(&bf_full[b], bphase);  // block_m 128: no converters, no ring
 #ifdef MEGAMOE_TILE_TRACE
       if (ctid == 0 && trace_n < kTraceTiles) trace_c[trace_n][1] += clock64() - trace_w1;  // and the bf16 tile
 #endif
@@ -989,7 +1007,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           const int g = j / kSlices, ls = j % kSlices;
           if (g >= groups) break;
           // Every wgmma of the previous stage has finished (each group waits for its own below).
-          if (j == 0 && kb > u.kb_begin) {
+          if (!kFoldedOnly && j == 0 && kb > u.kb_begin) {
             __syncwarp();
             if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
           }
@@ -1025,7 +1043,13 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             acc[ls][i] = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);
         }
       };
-      if constexpr (kBlockM == 64) {
+      if constexpr (kBlockM == 128) {
+        if (live_cols <= 32) fp8_stage(std::integral_constant<int, 32>{});
+        else if (live_cols <= 48) fp8_stage(std::integral_constant<int, 48>{});
+        else if (live_cols <= 64) fp8_stage(std::integral_constant<int, 64>{});
+        else if (live_cols <= 96) fp8_stage(std::integral_constant<int, 96>{});
+        else fp8_stage(std::integral_constant<int, 128>{});
+      } else if constexpr (kBlockM == 64) {
         if (live_cols <= 32) fp8_stage(std::integral_constant<int, 32>{});
         else if (live_cols <= 48) fp8_stage(std::integral_constant<int, 48>{});
         else fp8_stage(std::integral_constant<int, 64>{});
@@ -1145,7 +1169,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       // A split unit (SplitPlan): its accumulators out (thread-contiguous rows of the unit's block), then the tile's
       // counter; the last unit sums every unit's block in split order and goes on to the epilogue.
       constexpr int kUnitFloats = kSlices * kRegs * kNumConsumerThreads;
-      static_assert(!kSplitK || (kUnitFloats == kBlockN * kBlockM && kCols == kBlockM),
+      static_assert(!kSplitK || (kUnitFloats == kTileN * kBlockM && kCols == kBlockM),
                     "a unit's partials: 256 x block_m floats (the host's workspace)");
       const int first_unit = plan.whole + (u.tile - plan.whole) * plan.splits;  // the tile's split 0
       float* mine = p.partials + int64_t(unit - plan.whole) * kUnitFloats + ctid;
@@ -1205,9 +1229,12 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       constexpr int kGroups = kRegs / 4;
       constexpr int kOwnGroups = kSlices == 2 ? kGroups : (kGroups + 1) / 2;
       constexpr int kOwn = 4 * kOwnGroups;  // registers this thread finishes
-      auto own_group = [&](int s) { return kSlices == 2 ? s : half + 2 * s; };
+      // One slice per consumer: half h finishes the fragment's groups [h kOwnGroups, (h + 1) kOwnGroups) (an even group
+      // count: the exchange below hands over contiguous halves), or the groups of parity h (the wide-tail build's 3).
+      auto own_group = [&](int s) { return kSlices == 2 ? s : kGroups % 2 == 0 ? half * kOwnGroups + s : half + 2 * s; };
       auto own_live = [&](int s) { return kGroups % 2 == 0 || own_group(s) < kGroups; };  // a slot inside the fragment
-      static_assert(kSlices == 2 || kEarlyEpilogueInputs, "one slice per consumer reads col_w / col_f before the epilogue");
+      static_assert(kSlices == 2 || kEarlyEpilogueInputs || kFoldedOnly,
+                    "one slice per consumer reads col_w / col_f before the epilogue (block_m 128: its own columns here)");
       float gate[kOwn], up[kOwn], own_w[kOwn / 2], own_f[kOwn / 2];
       if constexpr (kSlices == 2) {
 #pragma unroll
@@ -1215,6 +1242,28 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         if constexpr (!kEarlyEpilogueInputs) load_row_inputs(t);
 #pragma unroll
         for (int c = 0; c < kOwn / 2; ++c) own_w[c] = col_w[c], own_f[c] = col_f[c];  // every column is this thread's
+      } else if constexpr (kFoldedOnly) {
+        // Block_m 128: the gate consumer (half 0) and the up consumer (half 1) exchange halves of their 16 fragment
+        // groups as below, in a [2 halves][kOwn][128 threads] layout (thread-contiguous: no bank conflicts), and each
+        // loads the top-k weights of its own 32 columns (no global factors: own_f = 1).
+        const float* row_weight = reinterpret_cast<const float*>(p.buffer + l.dispatch_weight_offset) + t.row0;
+#pragma unroll
+        for (int c = 0; c < kOwn / 2; ++c) {
+          const int col = 8 * own_group(c / 2) + 2 * q + (c % 2);
+          own_w[c] = col < t.rows ? row_weight[col] : 0.0f, own_f[c] = 1.0f;
+        }
+        float* xchg = reinterpret_cast<float*>(epi) + half * kOwn * 128 + (ctid % 128);
+#pragma unroll
+        for (int r = 0; r < kOwn; ++r) xchg[r * 128] = half ? acc[0][r] : acc[0][kOwn + r];  // the other's half
+        ptx::named_barrier_sync(1, kNumConsumerThreads);
+        const float* from = reinterpret_cast<const float*>(epi) + (1 - half) * kOwn * 128 + (ctid % 128);
+#pragma unroll
+        for (int r = 0; r < kOwn; ++r) {
+          const float mine = half ? acc[0][kOwn + r] : acc[0][r], theirs = from[r * 128];
+          gate[r] = half ? theirs : mine, up[r] = half ? mine : theirs;
+        }
+        ptx::named_barrier_sync(1, kNumConsumerThreads);  // `epi` is free again
+        static_assert(!kFoldedOnly || 2 * kOwn * 128 * 4 <= S::kTileBF, "the exchange in the epilogue scratch");
       } else if constexpr (kGroups % 2 == 0) {
         // One group each: each thread hands the other the group it owns ([2 pairs][2 halves][128][kOwn] floats).
         float* xchg = reinterpret_cast<float*>(epi) + ((pair * 2 + half) * 128 + (ctid % 128)) * kOwn;
@@ -1273,7 +1322,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #pragma unroll
         for (int r = 0; r < kOwn; ++r) {
           const int col = own_col(r);  // past the fragment (a zero slot): past the rows too
-          const int out = t.n_block * 128 + pair * 64 + quad_row + ((r / 2) % 2) * 8;
+          const int out = t.n_block * (kTileN / 2) + pair * 64 + quad_row + ((r / 2) % 2) * 8;
           if (col < t.rows) p.scratch[int64_t(t.row0 + col) * inter + out] = gate[r];
         }
       } else {
@@ -1286,7 +1335,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         static_assert(8 * kCols * 4 + kCols * 128 + 4 * kCols * 4 + 4 * kCols <= S::kTileBF, "L1 epilogue scratch");
         // FP8-wgmma path, FP8 tokens: L2's input leaves folded (Params::fold_output), as the gather folds L1's. (Only
         // in `if constexpr (kCanFoldOut)` blocks: the other builds' code stays as it was, register for register.)
-        constexpr bool kCanFoldOut = kFP8Mma && kRecipe == ActRecipe::kFP8UE8M0Block32;
+        // (A 128-row tile writes 64 outputs, half of L2's 128-K group: block_m 128 leaves the fold to launch_pool_fold.)
+        constexpr bool kCanFoldOut = kFP8Mma && kRecipe == ActRecipe::kFP8UE8M0Block32 && kTileN == 256;
+        constexpr int kOutBlocks = kTileN / 64;  // this tile's 32-output scale blocks (its kTileN / 2 outputs)
 #pragma unroll
         for (int sl = 0; sl < kOwnGroups; ++sl)
           if (own_live(sl))  // warp-uniform
@@ -1300,8 +1351,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         // tile (H100 tile trace, 2026-11-26, docs/bench/h100-2026-11-26-trace-phases-*.txt). With this, H100 A/B (2
         // rounds, both models, T = 1-2048, docs/bench/h100-2026-11-26-ab-fp4-l1-scales-once.json): 0.950-1.000 per
         // replay, median 0.986, where the L1 quantizes (MXFP4 / FP8 tokens); NVFP4-token rows (no change) 0.986-1.004.
-        static_assert(4 * kCols <= kNumConsumerThreads, "a scale per consumer thread");
-        if (ctid < 4 * kCols) {
+        static_assert(kOutBlocks * kCols <= kNumConsumerThreads, "a scale per consumer thread");
+        if (ctid < kOutBlocks * kCols) {
           const int bl = ctid / kCols, col = ctid % kCols;  // bl = pair * 2 + warp / 2: warps 2 bl, 2 bl + 1
           const float amax = max_nan(amax_smem[(2 * bl) * kCols + col], amax_smem[(2 * bl + 1) * kCols + col]);
           constexpr float kCodeMax = kRecipe == ActRecipe::kFP8UE8M0Block32 ? kFP8Max : kE2M1Max;
@@ -1309,7 +1360,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           inv_smem[bl * kCols + col] = pow2_reciprocal(scale);
           auto store_scale = [&] {
             if (col < t.rows)
-              p.buffer[l.pool_sf_offset + int64_t(t.n_block * 4 + bl) * l.pool_rows + t.row0 + col] = ue8m0_bits(scale);
+              p.buffer[l.pool_sf_offset + int64_t(t.n_block * kOutBlocks + bl) * l.pool_rows + t.row0 + col] =
+                  ue8m0_bits(scale);
           };
           if constexpr (kCanFoldOut) {
             if (p.fold_output) scale_bits[col * 4 + bl] = ue8m0_bits(scale);
@@ -1368,12 +1420,14 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         };
         auto copy_out = [&] {
           if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
-            // Coalesced copy-out: 8 x 16 bytes per token row.
-            for (int c = ctid; c < kCols * 8; c += kNumConsumerThreads) {
-              const int col = c / 8, part = c % 8;
+            // Coalesced copy-out: kParts x 16 bytes per token row (8; block_m 128: 4).
+            constexpr int kParts = kTileN / 32;
+            for (int c = ctid; c < kCols * kParts; c += kNumConsumerThreads) {
+              const int col = c / kParts, part = c % kParts;
               if (col < t.rows)
-                *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter + t.n_block * 128 +
-                                          part * 16) = reinterpret_cast<const uint4*>(out_tile)[col * 8 + staged_chunk(col, part)];
+                *reinterpret_cast<uint4*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * inter +
+                                          t.n_block * (kTileN / 2) + part * 16) =
+                    reinterpret_cast<const uint4*>(out_tile)[col * 8 + staged_chunk(col, part)];
             }
           } else {
             // Pack: 8 codes -> 4 bytes (low nibble first); 16 x 4 bytes per token row.
@@ -1407,21 +1461,21 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epi);  // [kCols][256]
 #pragma unroll
       for (int ls = 0; ls < kSlices; ++ls) {
-        const int base = staged_offset<__nv_bfloat16, kBlockN>(2 * q, (kSlices * consumer + ls) * 64 + quad_row);
+        const int base = staged_offset<__nv_bfloat16, kTileN>(2 * q, (kSlices * consumer + ls) * 64 + quad_row);
 #pragma unroll
         for (int i = 0; i < kRegs; ++i) {
           const int j = (i / 4) * 2 + (i % 2);
-          out_tile[base + staged_fragment_delta<kBlockN>(i)] = __float2bfloat16_rn(acc[ls][i] * col_f[j]);
+          out_tile[base + staged_fragment_delta<kTileN>(i)] = __float2bfloat16_rn(acc[ls][i] * col_f[j]);
         }
       }
       ptx::named_barrier_sync(1, kNumConsumerThreads);
       trace_phase(1);
       if constexpr (!kEarlyEpilogueInputs) load_row_inputs(t);
-      store_combine_tile<kCols, kBlockN, kNumConsumerThreads>(src, out_tile, p.buffer, l, t.n_block, p.n, ctid);
+      store_combine_tile<kCols, kTileN, kNumConsumerThreads>(src, out_tile, p.buffer, l, t.n_block, p.n, ctid);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     }
     // Every consumer is past the epilogue's last read of `epi` (the barrier above): the converters may refill it.
-    if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
+    if (!kFoldedOnly && lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
 #ifdef MEGAMOE_TILE_TRACE
     if (ctid == 0 && trace_n < kTraceTiles) trace_t[trace_n++][2] = ptx::globaltimer_ns();  // epilogue done
 #endif
@@ -1505,6 +1559,12 @@ void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int
     MEGAMOE_FP4_LAUNCH(16)
     MEGAMOE_FP4_LAUNCH(32)
     MEGAMOE_FP4_LAUNCH(64)
+    case 128:  // the 128 x 128 tile: MXFP4 weights on the FP8-wgmma path with folded FP8 tokens only (Roles)
+      if constexpr (kFP8Mma && !kNV)
+        if (a.recipe == ActRecipe::kFP8UE8M0Block32 && p.folded_tokens && !p.fold_output && p.split_round == 0 &&
+            a.tail_rows == 0)
+          return launch_config<128, kIsL1, false, ActRecipe::kFP8UE8M0Block32, true>(a, p, num_sms, stream);
+      break;
   }
 #undef MEGAMOE_FP4_LAUNCH
 #undef MEGAMOE_FP4_LAUNCH_SPLIT

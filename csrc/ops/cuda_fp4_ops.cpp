@@ -49,7 +49,8 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   const bool folded = fp8_mma && recipe == ActRecipe::kFP8UE8M0Block32 && heuristics::fp4_folded_tokens();
   const int tail_from = heuristics::fp4_tail_from_rows(nv_acts, recipe == ActRecipe::kFP8UE8M0Block32, fp8_mma, folded);
   const auto cfg = heuristics::choose_fp4_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate,
-                                                       act_fp4, tail_from, sms, l.num_ranks);
+                                                       act_fp4, tail_from,
+                                                       heuristics::fp4_block128_recipe(fp8_mma, folded), sms, l.num_ranks);
   uint8_t* buf = buffer_ptr(buffer);
   const uint64_t e = l.num_local_experts, h = l.hidden, inter = l.intermediate, rows = l.pool_rows;
   const auto bm = static_cast<uint32_t>(cfg.block_m);
@@ -65,7 +66,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   // Split K of the last round, per GEMM (heuristics::fp4_split_round; the kernel plans it from its tile count). One
   // float32 workspace: L1's then L2's tile counters (round / 2 each, int32; gather zeroes them), then the larger round's
   // units of partial sums (256 x block_m each; L2's reuse L1's: L2's consumers start after L1 has finished).
-  constexpr int64_t kTileRows = 256;  // sm90_fp4_grouped_gemm.cuh kBlockN
+  constexpr int64_t kTileRows = 256;  // heuristics::fp4_tile_n of the split build (block_m 16)
   const int round1 = heuristics::fp4_split_round(t, l.top_k, static_cast<int64_t>(e),
                                                  (2 * static_cast<int64_t>(inter) + kTileRows - 1) / kTileRows,
                                                  cfg.block_m, sms, l.num_ranks);
@@ -96,7 +97,8 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
 
   // ---- L1: dispatch rows x w13 -> SwiGLU -> pool (FP8 / MXFP4 in the epilogue, NVFP4 through scratch)
   kernels::Fp4GroupedGemmArgs g1;
-  g1.tmap_weights = kernels::make_tensor_map_2d(l1_weights.data_ptr(), h / 2, e * 2 * inter, h / 2, 128, 256);
+  const uint32_t tile_n = static_cast<uint32_t>(heuristics::fp4_tile_n(cfg.block_m));  // weight rows per tile
+  g1.tmap_weights = kernels::make_tensor_map_2d(l1_weights.data_ptr(), h / 2, e * 2 * inter, h / 2, 128, tile_n);
   g1.tmap_acts = kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, l.token_bytes, rows, l.token_bytes, 128, bm);
   g1.tmap_acts_tail = tail_rows > 0 ? kernels::make_tensor_map_2d(buf + l.dispatch_x_offset, l.token_bytes, rows,
                                                                    l.token_bytes, 128, heuristics::kFp4TailRows)
@@ -119,18 +121,26 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g1.partials = partials;
   g1.split_counters = counters;
   g1.folded_tokens = folded;
-  g1.fold_output = folded;
+  // A block_m 128 L1 tile writes 64 outputs, half of L2's 128-K group: a pass folds L2's input after it instead.
+  const bool fold_pass = folded && cfg.block_m == 128;
+  g1.fold_output = folded && !fold_pass;
   kernels::launch_fp4_grouped_gemm(g1, buf, l, cfg.block_m, sms, stream);
   if (nv_acts) kernels::launch_nvfp4_requant(g1.scratch, buf, l, static_cast<int>(scratch.size(0)), sms, stream);
 
   // ---- L2: pool x w2 -> bf16 rows in the combine area
   kernels::Fp4GroupedGemmArgs g2 = g1;
-  g2.tmap_weights = kernels::make_tensor_map_2d(l2_weights.data_ptr(), inter / 2, e * h, inter / 2, 128, 256);
+  g2.tmap_weights = kernels::make_tensor_map_2d(l2_weights.data_ptr(), inter / 2, e * h, inter / 2, 128, tile_n);
   g2.tmap_acts = kernels::make_tensor_map_2d(buf + l.pool_offset, l.pool_row_bytes, rows, l.pool_row_bytes, 128, bm);
   g2.tmap_acts_tail = tail_rows > 0 ? kernels::make_tensor_map_2d(buf + l.pool_offset, l.pool_row_bytes, rows,
                                                                    l.pool_row_bytes, 128, heuristics::kFp4TailRows)
                                      : g2.tmap_acts;
   g2.acts_sf = buf + l.pool_sf_offset;
+  at::Tensor fold_factors;
+  if (fold_pass) {
+    fold_factors = at::empty({static_cast<int64_t>(inter / 128), static_cast<int64_t>(rows)}, y.options().dtype(at::kFloat));
+    kernels::launch_pool_fold(buf, l, fold_factors.data_ptr<float>(), sms, stream);
+    g2.acts_sf = reinterpret_cast<const uint8_t*>(fold_factors.data_ptr<float>());
+  }
   g2.weights_sf = static_cast<const uint8_t*>(l2_weights_sf.data_ptr());
   g2.weights_global_sf = global_ptr(l2_weights_global_sf);
   g2.acts_global_sf = nv_acts ? reinterpret_cast<const float*>(buf + l.pool_global_sf_offset) : nullptr;
