@@ -1,6 +1,6 @@
 // Grouped GEMM for FP4 expert weights (MXFP4 / NVFP4) on Hopper: one persistent launch walks
 // (expert, token block, 256 weight rows) tiles, as the FP8 kernel does (swap AB: weights are the
-// 64-row wgmma A operand, tokens the N dimension).
+// 64-row wgmma A operand, tokens the N dimension); block_m 128 (MXFP4 w4a8 only) walks 128-row tiles (Roles).
 //
 // Hopper has no FP4 MMA. Everything is decoded on chip to BF16 and multiplied by a BF16 wgmma with
 // float32 accumulation over the whole K: E2M1 x UE8M0, E2M1 x UE4M3 (<= 6 significant bits),
