@@ -560,6 +560,16 @@ void launch(int64_t ctas, int64_t iters, torch::Tensor cycles) {
 
 // tile 0: 256 weight rows x 64 tokens (the kernel's block_m 64); 1: 128 rows x 128 tokens (the same MACs per stage,
 // half the decode per MAC).
+// One CTA per SM (at least 114 KB of shared memory) for an fp8path_kernel of kTokens tokens.
+template <int kTokens>
+void launch_fp8path(void (*kernel)(int, int64_t*), int64_t ctas, int64_t iters, torch::Tensor& cycles) {
+  constexpr int kBytes = kFp8Smem<kTokens> > 114 * 1024 ? kFp8Smem<kTokens> : 114 * 1024;
+  static_assert(kBytes <= 227 * 1024, "probe: shared memory");
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+  kernel<<<ctas, 256, kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters), cycles.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles) {
   if (tile == 0 && mode == 5) {
     static_assert(kSsSmem <= 227 * 1024, "probe: shared memory");
@@ -569,42 +579,16 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
-  if (tile == 0 && mode >= 8 && mode <= 10) {
-    auto kernel = mode == 8 ? fp8path_kernel<0, 64> : mode == 9 ? fp8path_kernel<1, 64> : fp8path_kernel<2, 64>;
-    constexpr int kBytes = kFp8Smem<64> > 114 * 1024 ? kFp8Smem<64> : 114 * 1024;  // one CTA per SM
-    static_assert(kBytes <= 227 * 1024, "probe: shared memory");
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-    kernel<<<ctas, 256, kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters), cycles.data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
-  if (tile == 0 && (mode == 13 || mode == 14)) {
-    auto kernel = mode == 13 ? fp8path_kernel<0, 64, 1> : fp8path_kernel<0, 64, 2>;
-    constexpr int kBytes = kFp8Smem<64> > 114 * 1024 ? kFp8Smem<64> : 114 * 1024;  // one CTA per SM
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-    kernel<<<ctas, 256, kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters), cycles.data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
-  if (tile == 3 && mode >= 11 && mode <= 14) {
-    auto kernel = mode == 11 ? fp8path_kernel<0, 128> : mode == 12 ? fp8path_kernel<1, 128>
-                : mode == 13 ? fp8path_kernel<0, 128, 1> : fp8path_kernel<0, 128, 2>;
-    constexpr int kBytes = kFp8Smem<128> > 114 * 1024 ? kFp8Smem<128> : 114 * 1024;  // one CTA per SM
-    static_assert(kBytes <= 227 * 1024, "probe: shared memory");
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-    kernel<<<ctas, 256, kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters), cycles.data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
-  if (tile == 2 && (mode == 11 || mode == 12)) {
-    auto kernel = mode == 11 ? fp8path_kernel<0, 256> : fp8path_kernel<1, 256>;
-    constexpr int kBytes = kFp8Smem<256>;
-    static_assert(kBytes >= 114 * 1024 && kBytes <= 227 * 1024, "probe: shared memory");
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-    kernel<<<ctas, 256, kBytes, c10::cuda::getCurrentCUDAStream()>>>(static_cast<int>(iters), cycles.data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
+  if (tile == 0 && mode >= 8 && mode <= 10)
+    return launch_fp8path<64>(mode == 8 ? fp8path_kernel<0, 64> : mode == 9 ? fp8path_kernel<1, 64> : fp8path_kernel<2, 64>,
+                              ctas, iters, cycles);
+  if (tile == 0 && (mode == 13 || mode == 14))
+    return launch_fp8path<64>(mode == 13 ? fp8path_kernel<0, 64, 1> : fp8path_kernel<0, 64, 2>, ctas, iters, cycles);
+  if (tile == 3 && mode >= 11 && mode <= 14)
+    return launch_fp8path<128>(mode == 11 ? fp8path_kernel<0, 128> : mode == 12 ? fp8path_kernel<1, 128>
+                               : mode == 13 ? fp8path_kernel<0, 128, 1> : fp8path_kernel<0, 128, 2>, ctas, iters, cycles);
+  if (tile == 2 && (mode == 11 || mode == 12))
+    return launch_fp8path<256>(mode == 11 ? fp8path_kernel<0, 256> : fp8path_kernel<1, 256>, ctas, iters, cycles);
   if (mode == 6 || mode == 7) {
     auto kernel = tile == 0 ? (mode == 6 ? pipe_kernel<64, 2, false> : pipe_kernel<64, 2, true>)
                             : (mode == 6 ? pipe_kernel<128, 1, false> : pipe_kernel<128, 1, true>);
