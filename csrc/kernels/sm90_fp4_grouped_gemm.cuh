@@ -543,7 +543,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
       ptx::mbarrier_init(&full[s], 1 + 32);  // TMA thread + the 32 scale-copy lanes
-      ptx::mbarrier_init(&empty[s], kNumConsumerThreads / 32 + (kFoldedOnly ? 0 : R::kConverterWarps));
+      // Every consumer and converter thread releases a stage (as the FP8 kernel: with one lane per warp after
+      // __syncwarp, compute-sanitizer's racecheck did not see the other lanes' reads ordered before the producer's next
+      // writes to the slot; H100, 2026-11-26, 29 reports in the block_m 64 / 128 FP8-wgmma builds).
+      ptx::mbarrier_init(&empty[s], kNumConsumerThreads + (kFoldedOnly ? 0 : R::kConverterWarps * 32));
     }
     for (int b = 0; b < kNumBfTiles; ++b) {
       ptx::mbarrier_init(&bf_full[b], R::kConverterWarps * 32);
@@ -811,8 +814,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #endif
           ptx::fence_proxy_async_shared();  // generic-proxy writes -> the wgmmas (async proxy)
           ptx::mbarrier_arrive(&bf_full[b]);
-          __syncwarp();
-          if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
+          ptx::mbarrier_arrive(&empty[stage]);
           if (++stage == kNumStages) stage = 0, phase ^= 1;
           if (++b == kNumBfTiles) b = 0, bphase ^= 1;
         }
@@ -1147,8 +1149,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       }
       }
       // The stage's weights and weight scales are in registers now: the producer may refill it.
-      __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(&empty[stage]);
+      ptx::mbarrier_arrive(&empty[stage]);
       if (++stage == kNumStages) stage = 0, phase ^= 1;
       prev_b = b;
       if (++b == kNumBfTiles) b = 0, bphase ^= 1;
