@@ -228,11 +228,12 @@ inline bool fp4_narrow_mma() {
 // ------------------------------------------------------------------------------------------------
 // FP4 grouped GEMM (sm90_fp4_grouped_gemm): weights decoded on chip to bf16, 256 K per stage.
 // ------------------------------------------------------------------------------------------------
-// One stage: packed weights 256 rows x 128 bytes, the token tile (E4M3: cols x 256 bytes, E2M1: cols x 128; cols =
-// fp4_tile_cols), weight scales 256 rows x 16 bytes and token scales (at most 16 blocks x cols), each piece rounded up
-// to 1024 bytes (TMA 128B-swizzle alignment).
+// One stage: packed weights fp4_tile_n rows (256; 128 at block_m 128) x 128 bytes, the token tile (E4M3: cols x 256
+// bytes, E2M1: cols x 128; cols = fp4_tile_cols), weight scales fp4_tile_n rows x 16 bytes and token scales (at most 16
+// blocks x cols), each piece rounded up to 1024 bytes (TMA 128B-swizzle alignment).
 constexpr int fp4_round_1k(int b) { return (b + 1023) / 1024 * 1024; }
-// FP4 wide last block: at block_m 16 with NVFP4 or FP8 tokens and 11-15 expected rows per expert, an expert's last
+// FP4 wide last block: at block_m 16 with NVFP4 or FP8 tokens and 11-15 expected rows per expert (14-15 on the
+// FP8-wgmma path: fp4_tail_from_rows), an expert's last
 // token block holds up to 16 + 8 rows (routing tail_rows, as the FP8 kernel's wide block at 64), one m64n24 tile where
 // a second tile would decode the same 256 weight rows again for 1-8 rows; a build of its own (the kernel's kWideTail:
 // tiles of 24 token columns, early epilogue inputs in shared memory), so that the other sizes keep theirs.

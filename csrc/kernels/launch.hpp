@@ -60,7 +60,7 @@ CUtensorMap make_tensor_map_2d(const void* base, uint64_t inner, uint64_t outer,
 
 // Grouped FP4-weight GEMM (MXFP4 / NVFP4 weights decoded on chip to bf16; sm90_fp4_grouped_gemm.cuh).
 struct Fp4GroupedGemmArgs {
-  CUtensorMap tmap_weights;        // packed E2M1 [E * n, k / 2] bytes, box {128, 256}, 128B swizzle
+  CUtensorMap tmap_weights;        // packed E2M1 [E * n, k / 2] bytes, box {128, heuristics::fp4_tile_n}, 128B swizzle
   CUtensorMap tmap_acts;           // E4M3 [pool_rows, k] or packed E2M1 [pool_rows, k / 2], box {128, block_m}, 128B
   CUtensorMap tmap_acts_tail;      // the same, box {128, kFp4TailRows}: a wide last block's rows past block_m
   const uint8_t* weights_sf;       // [E * n, k / 32] UE8M0 (MXFP4) or [E * n, k / 16] UE4M3 (NVFP4)
@@ -84,8 +84,8 @@ struct Fp4GroupedGemmArgs {
   // to block_m + tail_rows rows). It must be what launch_routing got, for both GEMMs.
   int tail_rows = 0;
   // The FP8-wgmma path with FP8 tokens (heuristics::fp4_folded_tokens): the tokens arrive folded (L1: launch_gather's
-  // fold; L2: L1's epilogue with fold_output): acts_sf holds float factors [k / 128, pool_rows] and the rows are in the
-  // kernel's E4M3 tile order.
+  // fold; L2: L1's epilogue with fold_output, or at block_m 128 launch_pool_fold, whose factors are a per-call tensor):
+  // acts_sf holds float factors [k / 128, pool_rows] and the rows are in the kernel's E4M3 tile order.
   bool folded_tokens = false;
   bool fold_output = false;  // L1: write L2's input (pool) folded the same way
 };

@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(256) pool_fold_kernel(uint8_t* buffer, layout:
   const int64_t total = int64_t(rows) * groups;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int g = static_cast<int>(i / rows), row = static_cast<int>(i % rows);
-    uint4* data = reinterpret_cast<uint4*>(buffer + l.pool_offset + int64_t(row) * l.intermediate + g * 128);
+    uint4* data = reinterpret_cast<uint4*>(buffer + l.pool_offset + int64_t(row) * l.pool_row_bytes + g * 128);
     uint32_t scales4 = 0;
 #pragma unroll
     for (int q = 0; q < 4; ++q) scales4 |= uint32_t(__ldcg(pool_sf + int64_t(4 * g + q) * l.pool_rows + row)) << (8 * q);
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(256) pool_fold_kernel(uint8_t* buffer, layout:
 
 void launch_pool_fold(uint8_t* buffer, const layout::BufferLayout& layout, float* factors, int num_sms,
                       cudaStream_t stream) {
-  if (layout.intermediate % 128 != 0) throw std::runtime_error("megamoe: the pool fold needs intermediate % 128 == 0");
+  // FP8 pool rows (pool_row_bytes == intermediate, a multiple of 128: the buffer checks it at creation).
   launch_pdl(pool_fold_kernel, dim3(num_sms * 4), dim3(256), 0, stream, buffer, layout, factors);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }

@@ -8,7 +8,7 @@
 // Only the float32 factors (NVFP4 per-expert weight global scale, NVFP4 per-token activation global
 // scale) are applied, once, in the epilogue.
 //
-// Warp roles (512 or 640 threads, see Roles): warpgroup 0 = producer: thread 0 issues the TMA loads (packed weights
+// Warp roles (384 (block_m 128), 512 or 640 threads, see Roles): warpgroup 0 = producer: thread 0 issues the TMA loads (packed weights
 // 256 rows x 128 bytes = 256 K, 128B-swizzled; the token tile), warp 1 copies the block scales with
 // cp.async: the weights' (rows of K/32 or K/16 bytes: too narrow for TMA) and the tokens' (a 4-byte
 // aligned window of block_m + 4 bytes per K block around the tile's first row, which has any alignment),
@@ -43,9 +43,10 @@
 // row and 128-K group, E = the largest of its four UE8M0 scales; each 32-K sub-block's weights are decoded to the
 // E4M3 bytes of e2m1 x 2^-(E - e_j) by one PRMT table lookup per 4 weights (exact while E - e_j <= 8, rounded to
 // nearest even below that), the converters fold the tokens the same way into an E4M3 tile (x x 2^-(T - t_j), T the
-// token's largest scale of the group; FP8 tokens arrive folded instead, L1's by the gather and L2's by L1's epilogue,
-// heuristics::fp4_folded_tokens, and the wgmmas read the stage's token tile as the TMA left it), four k32 wgmmas per
-// group (as wide as the tile's rows: 16 / 32 / 48 / 64) go into a partial accumulator, and the promotion multiplies it
+// token's largest scale of the group; FP8 tokens arrive folded instead, L1's by the gather and L2's by L1's epilogue
+// (at block_m 128 by launch_pool_fold), heuristics::fp4_folded_tokens, and the wgmmas read the stage's token tile as
+// the TMA left it), four k32 wgmmas per group (as wide as the tile's rows: 16 / 32 / 48 / 64; block_m 128 also 96 /
+// 128) go into a partial accumulator, and the promotion multiplies it
 // by 2^(E - 127) x 2^(T - 127). Half the wgmma instructions of the
 // BF16 path at twice the tensor rate, 1.25 decode instructions per weight instead of ~2.5. Decode and K order: bit
 // model docs/models/mxfp4_fp8_decode.py; error of the fold: benchmarks/fold_error.py (docs/perf-notes.md).
@@ -67,7 +68,6 @@
 
 namespace megamoe::kernels::fp4 {
 
-constexpr int kBlockN = 256;  // weight rows per tile (block_m 128: 128, heuristics::fp4_tile_n; Roles::kTileN)
 constexpr int kBlockK = 256;  // K per stage (128 packed bytes per weight row)
 
 // Consumer warpgroups per block. Decode (block_m 16): four, one 64-row slice each, so that every
@@ -498,7 +498,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   // the compiler: shared-memory loads and stores (LDS/STS), not generic ones (LD/ST, long-scoreboard waits).
   uint8_t* smem = smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* stages = smem;
-  uint8_t* bf_tiles = smem + kNumStages * S::kStage;  // two bf16 token tiles, then reused by the epilogue
+  uint8_t* bf_tiles = smem + kNumStages * S::kStage;  // kNumBfTiles bf16 token tiles, then reused by the epilogue
   uint64_t* full = reinterpret_cast<uint64_t*>(bf_tiles + kNumBfTiles * S::kTileBF);
   uint64_t* empty = full + kNumStages;
   uint64_t* bf_full = empty + kNumStages;  // [kNumBfTiles] a bf16 token tile is written
@@ -1459,7 +1459,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     } else {
       // L2: bf16 rows into the combine area of the token's rank at (token, slot) (NVLink stores for a peer).
-      __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epi);  // [kCols][256]
+      __nv_bfloat16* out_tile = reinterpret_cast<__nv_bfloat16*>(epi);  // [kCols][kTileN]
 #pragma unroll
       for (int ls = 0; ls < kSlices; ++ls) {
         const int base = staged_offset<__nv_bfloat16, kTileN>(2 * q, (kSlices * consumer + ls) * 64 + quad_row);
@@ -1565,7 +1565,9 @@ void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int
         if (a.recipe == ActRecipe::kFP8UE8M0Block32 && p.folded_tokens && !p.fold_output && p.split_round == 0 &&
             a.tail_rows == 0)
           return launch_config<128, kIsL1, false, ActRecipe::kFP8UE8M0Block32, true>(a, p, num_sms, stream);
-      break;
+      throw std::runtime_error("megamoe: FP4 block_m 128 needs MXFP4 weights on the FP8-wgmma path with folded FP8 "
+                               "tokens, no fold in L1's epilogue, no split K and no tail rows (heuristics::"
+                               "fp4_block128_recipe)");
   }
 #undef MEGAMOE_FP4_LAUNCH
 #undef MEGAMOE_FP4_LAUNCH_SPLIT

@@ -73,6 +73,12 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   const int round2 = heuristics::fp4_split_round(t, l.top_k, static_cast<int64_t>(e),
                                                  (static_cast<int64_t>(h) + kTileRows - 1) / kTileRows, cfg.block_m,
                                                  sms, l.num_ranks);
+  // A block_m 128 L1 tile writes 64 outputs, half of L2's 128-K group: a pass (launch_pool_fold) folds L2's input
+  // after it instead, its factors [intermediate / 128, pool_rows] in a per-call tensor (allocated before any launch).
+  const bool fold_pass = folded && cfg.block_m == 128;
+  at::Tensor fold_factors;
+  if (fold_pass)
+    fold_factors = at::empty({static_cast<int64_t>(inter / 128), static_cast<int64_t>(rows)}, y.options().dtype(at::kFloat));
   at::Tensor split_ws;
   float* partials = nullptr;
   int* counters = nullptr;
@@ -121,8 +127,6 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g1.partials = partials;
   g1.split_counters = counters;
   g1.folded_tokens = folded;
-  // A block_m 128 L1 tile writes 64 outputs, half of L2's 128-K group: a pass folds L2's input after it instead.
-  const bool fold_pass = folded && cfg.block_m == 128;
   g1.fold_output = folded && !fold_pass;
   kernels::launch_fp4_grouped_gemm(g1, buf, l, cfg.block_m, sms, stream);
   if (nv_acts) kernels::launch_nvfp4_requant(g1.scratch, buf, l, static_cast<int>(scratch.size(0)), sms, stream);
@@ -135,9 +139,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
                                                                    l.pool_row_bytes, 128, heuristics::kFp4TailRows)
                                      : g2.tmap_acts;
   g2.acts_sf = buf + l.pool_sf_offset;
-  at::Tensor fold_factors;
   if (fold_pass) {
-    fold_factors = at::empty({static_cast<int64_t>(inter / 128), static_cast<int64_t>(rows)}, y.options().dtype(at::kFloat));
     kernels::launch_pool_fold(buf, l, fold_factors.data_ptr<float>(), sms, stream);
     g2.acts_sf = reinterpret_cast<const uint8_t*>(fold_factors.data_ptr<float>());
   }
