@@ -1,6 +1,7 @@
 """Error of an FP8-wgmma path for MXFP4 w4a8: per-32 power-of-two scales folded into E4M3 values per 128-K block.
 
     python benchmarks/fold_error.py [--experts 32 --hidden 1024 --intermediate 512 --tokens 256 --seeds 3]
+                                    [--weight-fold 0]  (weights folded per row for the whole K instead of per 128)
 
 Hopper has FP8 tensor cores but no FP4 ones. E2M1 x 2^d is an E4M3 value for every E2M1 code when
 0 <= d <= 8 (0.5 x 2^-8 = 2^-9 is E4M3's smallest subnormal), so an MXFP4 weight row can be decoded on chip to
@@ -33,13 +34,14 @@ from megamoe import formats, reference
 FOLD_BLOCK, SCALE_BLOCK = 128, 32
 
 
-def fold_e4m3(v: torch.Tensor, scale32: torch.Tensor) -> torch.Tensor:
+def fold_e4m3(v: torch.Tensor, scale32: torch.Tensor, block: int = FOLD_BLOCK) -> torch.Tensor:
     """Values ``v`` [..., K] that carry a power-of-two scale per 32 (``scale32`` [..., K/32], float32),
-    re-expressed as E4M3 relative to the largest scale of each 128-K block (round to nearest even, the
-    cvt.rn.satfinite of the kernel), times that scale."""
+    re-expressed as E4M3 relative to the largest scale of each ``block``-K block (0: the whole row; round to
+    nearest even, the cvt.rn.satfinite of the kernel), times that scale."""
     k = v.shape[-1]
-    s = scale32.view(*scale32.shape[:-1], k // FOLD_BLOCK, FOLD_BLOCK // SCALE_BLOCK)
-    big = s.amax(dim=-1, keepdim=True).repeat_interleave(FOLD_BLOCK, dim=-1).view(*v.shape)
+    block = block or k
+    s = scale32.view(*scale32.shape[:-1], k // block, block // SCALE_BLOCK)
+    big = s.amax(dim=-1, keepdim=True).repeat_interleave(block, dim=-1).view(*v.shape)
     return (v / big).to(torch.float8_e4m3fn).to(torch.float32) * big
 
 
@@ -60,9 +62,19 @@ def folded_activation(x: torch.Tensor, _recipe) -> torch.Tensor:
     return fold_e4m3(formats.dequantize_fp8(q, sf, SCALE_BLOCK), scale)
 
 
+WEIGHT_FOLD_BLOCK = [FOLD_BLOCK]  # --weight-fold (0: one exponent per row for the whole K)
+
+
 def folded_weights(w: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     """MXFP4 checkpoint weights [E, N, K/2] + UE8M0 [E, N, K/32] -> folded float32 [E, N, K]."""
-    return fold_e4m3(formats.dequantize_mxfp4(w, sf), formats.ue8m0_to_float(sf))
+    return fold_e4m3(formats.dequantize_mxfp4(w, sf), formats.ue8m0_to_float(sf), WEIGHT_FOLD_BLOCK[0])
+
+
+def gradient_scales(sf: torch.Tensor, spread: int) -> torch.Tensor:
+    """The same scales lowered by 0..spread along K (linearly, the same for every row): the worst case of a fold
+    relative to one exponent per row, harmless within a 128-K block."""
+    drop = torch.round(torch.linspace(0, spread, sf.shape[-1])).to(torch.int32)
+    return (sf.to(torch.int32) - drop).clamp(1, 254).to(torch.uint8)
 
 
 def spread_scales(sf: torch.Tensor, spread: int, gen: torch.Generator) -> torch.Tensor:
@@ -91,12 +103,17 @@ def main():
     ap.add_argument("--spread", type=int, default=12, help="largest exponent drop in the spread-scale family")
     ap.add_argument("--outlier-fraction", type=float, default=0.01, help="share of hidden channels that are outliers")
     ap.add_argument("--outlier-scale", type=float, default=100.0, help="their magnitude relative to the others")
+    ap.add_argument("--weight-fold", type=int, default=FOLD_BLOCK,
+                    help="K per weight fold exponent (128: the kernel's; 0: one per row for the whole K)")
     args = ap.parse_args()
+    WEIGHT_FOLD_BLOCK[0] = args.weight_fold
     e, h, i, k, t = args.experts, args.hidden, args.intermediate, args.top_k, args.tokens
-    print(f"E={e} H={h} I={i} top-k={k} T={t}, {args.seeds} seeds, CPU; errors relative to the emulating reference")
+    print(f"E={e} H={h} I={i} top-k={k} T={t}, {args.seeds} seeds, CPU; errors relative to the emulating reference; "
+          f"weights folded per {args.weight_fold or 'row'} K, activations per {FOLD_BLOCK}")
     rows = []
     outliers = f"outlier channels ({args.outlier_fraction:.1%} x {args.outlier_scale:g})"
-    for family in ("random", f"spread 0..{args.spread}", outliers):
+    gradient = f"K-gradient 0..{args.spread}"
+    for family in ("random", f"spread 0..{args.spread}", gradient, outliers):
         errs = {"weights": [], "both": [], "format vs bf16": []}
         for seed in range(args.seeds):
             layer = reference.make_random_layer(e, h, i, "mxfp4", seed=seed)
@@ -104,6 +121,9 @@ def main():
                 gen = torch.Generator().manual_seed(seed + 300)
                 layer["w13_sf"] = spread_scales(layer["w13_sf"], args.spread, gen)
                 layer["w2_sf"] = spread_scales(layer["w2_sf"], args.spread, gen)
+            if family == gradient:
+                layer["w13_sf"] = gradient_scales(layer["w13_sf"], args.spread)
+                layer["w2_sf"] = gradient_scales(layer["w2_sf"], args.spread)
             idx, w = reference.make_random_routing(t, e, k, seed=seed + 100)
             x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 200))
             if family == outliers:
