@@ -134,8 +134,8 @@ PATCHES = {
     ],
     # FP8-wgmma path: each group's partial is added unscaled (no factor loads, no products): what the promotion costs.
     "fp4-no-promote": [
-        ("            acc[ls][i] = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);",
-         "            acc[ls][i] += part[i];"),
+        ("          for (int i = 0; i < kRegsW; ++i) acc[ls][i] = fmaf(part[i], fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);",
+         "          for (int i = 0; i < kRegsW; ++i) acc[ls][i] += part[i];"),
     ],
     "fp4-no-mma": [
         ("            MmaW::run(part, a8[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16), s > 0);",

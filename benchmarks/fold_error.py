@@ -1,7 +1,8 @@
 """Error of an FP8-wgmma path for MXFP4 w4a8: per-32 power-of-two scales folded into E4M3 values per 128-K block.
 
     python benchmarks/fold_error.py [--experts 32 --hidden 1024 --intermediate 512 --tokens 256 --seeds 3]
-                                    [--weight-fold 0]  (weights folded per row for the whole K instead of per 128)
+                                    [--weight-fold 128 --weight-headroom 0]  (the kernels' fold until the thirtieth
+                                                                              session; default: today's)
 
 Hopper has FP8 tensor cores but no FP4 ones. E2M1 x 2^d is an E4M3 value for every E2M1 code when
 0 <= d <= 8 (0.5 x 2^-8 = 2^-9 is E4M3's smallest subnormal), so an MXFP4 weight row can be decoded on chip to
@@ -10,6 +11,10 @@ scale, exactly as the FP8 path promotes its 128 x 128 blocks. Only sub-blocks wh
 below the block's largest round (toward zero, by less than 2^-10 of the block's largest magnitude). The w4a8
 activations (E4M3 with a UE8M0 scale per 32) can be folded the same way, but an E4M3 value divided by 2^d
 keeps its 3 mantissa bits only down to 2^-6: small values in low-scale sub-blocks round.
+
+Since the thirtieth session the kernels fold each weight row relative to its largest scale over the whole K minus 6
+(transform_weights' row exponents): E2M1 x 2^d is exact in E4M3 for -8 <= d <= 6 (6 x 2^6 = 384 <= 448), so a row
+whose scales span at most 14 binades folds exactly (--weight-fold 0 --weight-headroom 6, the defaults).
 
 This script measures, on the CPU, what the folds change against the emulating reference (the semantics the
 kernels must match within 1e-2), by running the reference with the folded values in place of the exact ones:
@@ -34,14 +39,14 @@ from megamoe import formats, reference
 FOLD_BLOCK, SCALE_BLOCK = 128, 32
 
 
-def fold_e4m3(v: torch.Tensor, scale32: torch.Tensor, block: int = FOLD_BLOCK) -> torch.Tensor:
+def fold_e4m3(v: torch.Tensor, scale32: torch.Tensor, block: int = FOLD_BLOCK, headroom: int = 0) -> torch.Tensor:
     """Values ``v`` [..., K] that carry a power-of-two scale per 32 (``scale32`` [..., K/32], float32),
-    re-expressed as E4M3 relative to the largest scale of each ``block``-K block (0: the whole row; round to
-    nearest even, the cvt.rn.satfinite of the kernel), times that scale."""
+    re-expressed as E4M3 relative to the largest scale of each ``block``-K block (0: the whole row) times
+    2^-headroom (round to nearest even, the cvt.rn.satfinite of the kernel), times that."""
     k = v.shape[-1]
     block = block or k
     s = scale32.view(*scale32.shape[:-1], k // block, block // SCALE_BLOCK)
-    big = s.amax(dim=-1, keepdim=True).repeat_interleave(block, dim=-1).view(*v.shape)
+    big = s.amax(dim=-1, keepdim=True).repeat_interleave(block, dim=-1).view(*v.shape) * 2.0 ** -headroom
     return (v / big).to(torch.float8_e4m3fn).to(torch.float32) * big
 
 
@@ -62,12 +67,12 @@ def folded_activation(x: torch.Tensor, _recipe) -> torch.Tensor:
     return fold_e4m3(formats.dequantize_fp8(q, sf, SCALE_BLOCK), scale)
 
 
-WEIGHT_FOLD_BLOCK = [FOLD_BLOCK]  # --weight-fold (0: one exponent per row for the whole K)
+WEIGHT_FOLD = [0, 6]  # --weight-fold (0: one exponent per row for the whole K), --weight-headroom
 
 
 def folded_weights(w: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     """MXFP4 checkpoint weights [E, N, K/2] + UE8M0 [E, N, K/32] -> folded float32 [E, N, K]."""
-    return fold_e4m3(formats.dequantize_mxfp4(w, sf), formats.ue8m0_to_float(sf), WEIGHT_FOLD_BLOCK[0])
+    return fold_e4m3(formats.dequantize_mxfp4(w, sf), formats.ue8m0_to_float(sf), *WEIGHT_FOLD)
 
 
 def gradient_scales(sf: torch.Tensor, spread: int) -> torch.Tensor:
@@ -103,13 +108,17 @@ def main():
     ap.add_argument("--spread", type=int, default=12, help="largest exponent drop in the spread-scale family")
     ap.add_argument("--outlier-fraction", type=float, default=0.01, help="share of hidden channels that are outliers")
     ap.add_argument("--outlier-scale", type=float, default=100.0, help="their magnitude relative to the others")
-    ap.add_argument("--weight-fold", type=int, default=FOLD_BLOCK,
-                    help="K per weight fold exponent (128: the kernel's; 0: one per row for the whole K)")
+    ap.add_argument("--weight-fold", type=int, default=WEIGHT_FOLD[0],
+                    help="K per weight fold exponent (0: one per row for the whole K, the kernels'; 128: until the "
+                         "thirtieth session)")
+    ap.add_argument("--weight-headroom", type=int, default=WEIGHT_FOLD[1],
+                    help="binades the folded weights may rise above E2M1's range (6: the kernels'; at most 6)")
     args = ap.parse_args()
-    WEIGHT_FOLD_BLOCK[0] = args.weight_fold
+    WEIGHT_FOLD[:] = [args.weight_fold, args.weight_headroom]
     e, h, i, k, t = args.experts, args.hidden, args.intermediate, args.top_k, args.tokens
     print(f"E={e} H={h} I={i} top-k={k} T={t}, {args.seeds} seeds, CPU; errors relative to the emulating reference; "
-          f"weights folded per {args.weight_fold or 'row'} K, activations per {FOLD_BLOCK}")
+          f"weights folded per {args.weight_fold or 'row'} K (headroom 2^{args.weight_headroom}), activations per "
+          f"{FOLD_BLOCK}")
     rows = []
     outliers = f"outlier channels ({args.outlier_fraction:.1%} x {args.outlier_scale:g})"
     gradient = f"K-gradient 0..{args.spread}"

@@ -53,7 +53,9 @@ def main() -> int:
         same = torch.equal(y.view(torch.int16), y0.view(torch.int16))
         nan = int(y.isnan().sum())  # the inputs are finite: a NaN is an output the op never wrote
         bad += not same or nan > 0
-        print(f"{c}: {'bitwise equal' if same else 'DIFFERENT'}{'' if nan == 0 else f', {nan} NaN (FAIL)'}")
+        d = (y.float() - y0.float()).norm() / y0.float().norm().clamp_min(1e-30)
+        diff = "" if same else f" (relative difference {float(d):.2e})"
+        print(f"{c}: {'bitwise equal' if same else 'DIFFERENT'}{diff}{'' if nan == 0 else f', {nan} NaN (FAIL)'}")
     return 1 if bad else 0
 
 

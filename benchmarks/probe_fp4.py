@@ -21,7 +21,8 @@ to 255 registers; with the converters of full+conv, 448 threads, ptxas allocates
               in the kernel gained nothing: decode and register-A wgmmas contend, the wait is not the limit)
   pipe-x      pipe with one unit in flight across stages (the next stage's first decode overlaps too)
   fp8-full    MXFP4, the kernel's FP8-wgmma path (the default for MXFP4 tokens): decode_weights_e4m3, 4 register-A
-              m64n64k32 FP8 wgmmas into a partial, a full wait and the promotion per unit (FP8 ideal: 1,024 cycles)
+              m64n64k32 FP8 wgmmas into a partial, a full wait and the promotion per unit with the rows' and the
+              tokens' factors (the kernel's until the thirtieth session; since then fp8-ffma's; FP8 ideal: 1,024 cycles)
   fp8-mma     the same without the decode;  fp8-decode: the decode only (256 x 64 tile only)
   fp8-wide-full / fp8-wide-mma  the FP8-path unit on a 128 x 256 tile (m64n128k32, two token halves per decode: a
               quarter of 256 x 64's decode per MAC), reported per 4M MACs; and (the rows of tile 128x128) on a
@@ -145,7 +146,7 @@ __device__ __forceinline__ void fill_fp8_path_inputs(uint8_t* smem, uint8_t* tok
   for (int i = threadIdx.x; i < 2 * kTokens * 128 / 4; i += blockDim.x)
     reinterpret_cast<uint32_t*>(tokens)[i] = (uint32_t(i) * 2654435761u) & 0x77777777u;
   for (int i = threadIdx.x; i < 2 * kTokens; i += blockDim.x) tfac[i] = 1.0f;
-  if (threadIdx.x < fp4::kNumFoldTables) tables[threadIdx.x] = fp4::make_fold_table(threadIdx.x);
+  if (threadIdx.x < fp4::kNumFoldTables) tables[threadIdx.x] = fp4::make_fold_table(threadIdx.x - fp4::kFoldHeadroom);
 }
 
 // kMode: 0 full, 1 mma-wait, 2 decode, 3 mma-stream, 4 full with converters (see the file comment). kN: tokens (the
@@ -363,8 +364,9 @@ __global__ void __launch_bounds__(256, 1) pipe_kernel(int iters, int64_t* cycles
 template <int kTokens> constexpr int kFp8Smem = kStages * kStage + 2 * kTokens * 128 + 2 * kTokens * 4 + 256 + 1024;
 template <int kN> struct Fp8Rs { using T = ptx::WgmmaFP8RS<kN>; };
 template <> struct Fp8Rs<128> { using T = WgmmaFP8RS128; };
-// kPromo: the promotion per unit: 0 the kernel's (rows' x tokens' factors: FMUL + FFMA), 1 the tokens' factors only
-// (FFMA: weights folded relative to one exponent per row for the whole K), 2 none (FADD: tokens too).
+// kPromo: the promotion per unit: 0 the kernel's until the thirtieth session (rows' x tokens' factors: FMUL + FFMA), 1
+// the tokens' factors only (the kernel's since: weights folded relative to one exponent per row for the whole K), 2
+// none (FADD: tokens too).
 template <int kMode, int kTokens, int kPromo = 0>  // kMode: 0 full, 1 mma, 2 decode (64 tokens only); kTokens: 64, 128, 256
 __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cycles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -400,9 +402,11 @@ __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cyc
     for (int j = 0; j < 2 * kSlices; ++j) {
       const int g = j / kSlices, ls = j % kSlices;
       float fa = tfac[quad_row], fb = tfac[kTokens + quad_row];  // runtime values: the promotion's multiplies stay
+      // The rows' exponents (at least every scale byte of fill_fp8_path_inputs), runtime values as the kernel's.
+      const uint32_t ra = 121u + (fa != 1.0f), rb = 121u + (fb != 1.0f);
       if constexpr (kMode != 1)
-        fp4::decode_weights_e4m3(a8, fa, fb, tile_a, tile_a + kTileA, tables, (kSlices * consumer + ls) * 64 + quad_row,
-                                 g, q);
+        fp4::decode_weights_e4m3(a8, tile_a, tile_a + kTileA, tables, (kSlices * consumer + ls) * 64 + quad_row, g, q,
+                                 ra, rb);
       if constexpr (kMode == 2) {
 #pragma unroll
         for (int s = 0; s < 4; ++s)
@@ -503,8 +507,9 @@ __global__ void __launch_bounds__(256, 1) ss_kernel(int iters, int64_t* cycles) 
     for (int j = 0; j < 4; ++j) {
       const int g = j / 2, ls = j % 2, u = j % 2;  // four units per stage: buffer u alternates across stages too
       uint32_t a8[4][4];  // the kernel's FP8-path decode; k32 step s: rows r (0, 2) and r + 8 (1, 3), lo / hi words
-      float fa, fb;
-      fp4::decode_weights_e4m3(a8, fa, fb, tile_a, tile_sw, tables, (2 * consumer + ls) * 64 + quad_row, g, q);
+      const float fa = tfac[quad_row], fb = tfac[64 + quad_row];  // runtime row factors (the probe's; all 1)
+      fp4::decode_weights_e4m3(a8, tile_a, tile_sw, tables, (2 * consumer + ls) * 64 + quad_row, g, q,
+                               121u + (fa != 1.0f), 121u + (fb != 1.0f));
       uint32_t oa[8], ob[8];  // each row's 32 K in order: step s's lo and hi words
 #pragma unroll
       for (int s = 0; s < 4; ++s)

@@ -41,7 +41,9 @@ def transform_weights(weights: torch.Tensor, weights_sf: torch.Tensor,
         weights_global_sf: nvfp4 only: float32 [E] or scalar (``weight_scale_2``).
         is_l1: True for ``w13`` (gate/up rows get interleaved), False for ``w2``.
     Returns:
-        (weights, weights_sf, weights_global_sf) in kernel layout; global scale is ones for fp8/mxfp4.
+        (weights, weights_sf, weights_global_sf) in kernel layout. The third tensor: nvfp4 the float32 [E]
+        global scales; mxfp4 each kernel-layout row's largest UE8M0 scale, uint8 [E, N] (the FP8-wgmma path
+        folds a row's weights relative to it; it scales nothing); fp8 float32 ones [E].
     """
     return ops.transform_weights(weights, weights_sf, weights_global_sf, weight_format, is_l1)
 

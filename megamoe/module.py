@@ -514,11 +514,12 @@ class MegaMoEExperts(nn.Module):
 
     def get_expert_weights(self) -> list:
         """The kernel-layout tensors EPLB moves between slots, each a uint8 ``(E_loc, -1)`` view that
-        aliases what the kernels read (finalizes first): w13, w13_sf, w2, w2_sf, plus the two per-expert
-        global scales for nvfp4 (for fp8/mxfp4 they are all ones and not listed)."""
+        aliases what the kernels read (finalizes first): w13, w13_sf, w2, w2_sf, plus the third kernel
+        tensors for nvfp4 (per-expert global scales) and mxfp4 (per-row exponents); for fp8 they are all ones
+        and not listed."""
         self.finalize_weights()
         names = ["w13_kernel", "w13_kernel_sf", "w2_kernel", "w2_kernel_sf"]
-        if self.weight_format == "nvfp4":
+        if self.weight_format != "fp8":
             names += ["w13_kernel_global_sf", "w2_kernel_global_sf"]
         views = []
         for name in names:

@@ -43,7 +43,10 @@ def _transform_weights_fake(weights, weights_sf, weights_global_sf, weight_forma
     else:
         sf = weights_sf.new_empty(weights_sf.shape, dtype=weights_sf.dtype
                                   if weights_sf.dtype != torch.float8_e8m0fnu else torch.uint8)
-    return (weights.new_empty(weights.shape), sf, weights.new_empty((e,), dtype=torch.float32))
+    # The third tensor: mxfp4 each row's largest UE8M0 scale [E, N] uint8; else per-expert float32 [E].
+    g = weights.new_empty((e, n), dtype=torch.uint8) if weight_format == "mxfp4" else \
+        weights.new_empty((e,), dtype=torch.float32)
+    return (weights.new_empty(weights.shape), sf, g)
 
 
 @torch.library.register_fake("megamoe::pre_dispatch")

@@ -370,13 +370,13 @@ def test_symm_buffer_shared_per_shape():
 # ------------------------------------------------------------------------------------------------
 # EPLB
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("weight_format", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("weight_format", ["fp8", "mxfp4", "nvfp4"])
 def test_get_expert_weights_alias_the_kernel_tensors(weight_format):
     m = loaded_module(weight_format)
     views = m.get_expert_weights()
     assert m.finalized
     kernel = [m.w13_kernel, m.w13_kernel_sf, m.w2_kernel, m.w2_kernel_sf]
-    if weight_format == "nvfp4":
+    if weight_format != "fp8":  # nvfp4: per-expert global scales; mxfp4: per-row exponents
         kernel += [m.w13_kernel_global_sf, m.w2_kernel_global_sf]
     assert len(views) == len(kernel)
     for v, t in zip(views, kernel):

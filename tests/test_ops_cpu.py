@@ -234,6 +234,22 @@ def assert_fresh(outputs, inputs):
     assert not set(out_ptrs) & set(ptrs)
 
 
+def assert_third_tensor(og, osf, g, weight_format, what):
+    """The kernel layout's third tensor: nvfp4 the global scales passed through, mxfp4 each kernel-layout row's
+    largest UE8M0 scale (uint8 [E, N]: the FP8-wgmma path's fold exponent), fp8 ones."""
+    if weight_format == "mxfp4":
+        e, n = osf.shape[:2]
+        assert og.shape == (e, n) and og.dtype == torch.uint8, what
+        want = osf.to(torch.int32).max(dim=2).values.to(torch.uint8)
+        assert_bitwise_equal(og, want, what)
+    elif weight_format == "nvfp4":
+        assert og.shape == (E,) and og.dtype == torch.float32, what
+        assert torch.equal(og, g.reshape(-1).expand(E)), what  # passes through
+    else:
+        assert og.shape == (E,) and og.dtype == torch.float32, what
+        assert torch.equal(og, torch.ones(E)), what
+
+
 @pytest.mark.parametrize("weight_format", ["fp8", "mxfp4", "nvfp4"])
 def test_transform_weights_l1_interleave(weight_format):
     lay = random_layer(E, H, I, weight_format)
@@ -251,11 +267,7 @@ def test_transform_weights_l1_interleave(weight_format):
     else:
         assert_interleaved(osf, sf, I, "weights_sf")
         assert osf.dtype == (torch.uint8 if weight_format == "mxfp4" else torch.float8_e4m3fn)
-    assert og.shape == (E,) and og.dtype == torch.float32
-    if weight_format == "nvfp4":
-        assert torch.equal(og, g)  # passes through
-    else:
-        assert torch.equal(og, torch.ones(E))
+    assert_third_tensor(og, osf, g, weight_format, "weights_global_sf")
     assert_fresh((ow, osf, og), (w, sf, g))
     # Inputs untouched; writing to the outputs does not reach them.
     ow.view(torch.uint8).zero_()
@@ -276,7 +288,7 @@ def test_transform_weights_l2_keeps_row_order(weight_format):
         assert torch.equal(osf, sf.repeat_interleave(2, dim=1))
     else:
         assert_bitwise_equal(osf, sf, "w2_sf")
-    assert torch.equal(og, g if weight_format == "nvfp4" else torch.ones(E))
+    assert_third_tensor(og, osf, g, weight_format, "weights_global_sf")
     assert_fresh((ow, osf, og), (w, sf, g))
 
 
@@ -288,7 +300,12 @@ def test_transform_weights_scale_variants():
     b = megamoe.transform_weights(lay["w13"], lay["w13_sf"].view(torch.float8_e8m0fnu), None,
                                   weight_format="mxfp4", is_l1=True)
     assert b[1].dtype == torch.uint8
-    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+    # The row exponents follow the interleaved rows: a scale raised in checkpoint up row I + 3 (kernel row 64 + 3)
+    sf = lay["w13_sf"].clone()
+    sf[1, I + 3, 5] = 200
+    c = megamoe.transform_weights(lay["w13"], sf, None, weight_format="mxfp4", is_l1=True)
+    assert c[2][1, 64 + 3] == 200 and torch.equal(c[2][0], a[2][0])
     nv = random_layer(E, H, I, "nvfp4")
     out = megamoe.transform_weights(nv["w2"], nv["w2_sf"], torch.tensor(0.125), weight_format="nvfp4",
                                     is_l1=False)

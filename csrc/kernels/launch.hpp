@@ -65,6 +65,7 @@ struct Fp4GroupedGemmArgs {
   CUtensorMap tmap_acts_tail;      // the same, box {128, kFp4TailRows}: a wide last block's rows past block_m
   const uint8_t* weights_sf;       // [E * n, k / 32] UE8M0 (MXFP4) or [E * n, k / 16] UE4M3 (NVFP4)
   const float* weights_global_sf;  // [E] (NVFP4) or nullptr
+  const uint8_t* weights_row_exp;  // MXFP4: [E * n] each row's largest UE8M0 scale (transform_weights), else nullptr
   const uint8_t* acts_sf;          // token scales [k / blk, pool_rows] bytes (K-block-major)
   const float* acts_global_sf;     // [pool_rows] (NVFP4 activations) or nullptr
   float* scratch;                  // L1 with NVFP4 activations: float32 [rows, n / 2]

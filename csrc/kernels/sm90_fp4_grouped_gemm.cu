@@ -16,6 +16,7 @@ void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, co
   fp4::Params p;
   p.weights_sf = args.weights_sf;
   p.weights_global_sf = args.weights_global_sf;
+  p.weights_row_exp = args.weights_row_exp;
   p.acts_sf = args.acts_sf;
   p.acts_global_sf = args.acts_global_sf;
   p.scratch = args.scratch;
@@ -38,6 +39,8 @@ void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, co
   const bool nv = args.weight_format == WeightFormat::kNVFP4;
   if (nv && args.fp8_mma)
     throw std::runtime_error("megamoe: the FP8-wgmma FP4 path takes MXFP4 weights only (NVFP4 scales are not powers of two)");
+  if (args.fp8_mma && args.weights_row_exp == nullptr)
+    throw std::runtime_error("megamoe: the FP8-wgmma FP4 path needs the weights' row exponents (transform_weights)");
   if (args.is_l1) {
     if (nv) fp4::launch_l1_nvfp4(args, p, block_m, num_sms, stream);
     else if (args.fp8_mma) fp4::launch_l1_mxfp4_fp8mma(args, p, block_m, num_sms, stream);

@@ -39,17 +39,20 @@
 // Limits of that split: MXFP4 weight scales up to 2^33 and activations up to 2^95 (real weights have
 // scales near 2^-7, activations are bf16 model values).
 //
-// FP8-wgmma path (kFP8Mma, MXFP4 weights; the default for them, heuristics::choose_mxfp4_fp8_mma): per
-// row and 128-K group, E = the largest of its four UE8M0 scales; each 32-K sub-block's weights are decoded to the
-// E4M3 bytes of e2m1 x 2^-(E - e_j) by one PRMT table lookup per 4 weights (exact while E - e_j <= 8, rounded to
-// nearest even below that), the converters fold the tokens the same way into an E4M3 tile (x x 2^-(T - t_j), T the
-// token's largest scale of the group; FP8 tokens arrive folded instead, L1's by the gather and L2's by L1's epilogue
-// (at block_m 128 by launch_pool_fold), heuristics::fp4_folded_tokens, and the wgmmas read the stage's token tile as
-// the TMA left it), four k32 wgmmas per group (as wide as the tile's rows: 16 / 32 / 48 / 64; block_m 128 also 96 /
-// 128) go into a partial accumulator, and the promotion multiplies it
-// by 2^(E - 127) x 2^(T - 127). Half the wgmma instructions of the
-// BF16 path at twice the tensor rate, 1.25 decode instructions per weight instead of ~2.5. Decode and K order: bit
-// model docs/models/mxfp4_fp8_decode.py; error of the fold: benchmarks/fold_error.py (docs/perf-notes.md).
+// FP8-wgmma path (kFP8Mma, MXFP4 weights; the default for them, heuristics::choose_mxfp4_fp8_mma): per row, E = the
+// largest of its UE8M0 scales over the whole K (transform_weights' row exponents, Params::weights_row_exp); each 32-K
+// sub-block's weights are decoded to the E4M3 bytes of e2m1 x 2^(6 - (E - e_j)) by one PRMT table lookup per 4 weights
+// (exact while E - e_j <= 14, rounded to nearest even past that: kFoldHeadroom), the converters fold the tokens into an
+// E4M3 tile relative to each group's largest scale (x x 2^-(T - t_j), T the token's largest scale of the 128-K group;
+// FP8 tokens arrive folded instead, L1's by the gather and L2's by L1's epilogue (at block_m 128 by launch_pool_fold),
+// heuristics::fp4_folded_tokens, and the wgmmas read the stage's token tile as the TMA left it), four k32 wgmmas per
+// group (as wide as the tile's rows: 16 / 32 / 48 / 64; block_m 128 also 96 / 128) go into a partial accumulator, and
+// the promotion adds it times 2^(T - 127) (one FFMA per accumulator); the rows' 2^(E - 133) multiply the accumulators
+// once, after the tile's K. Where a row's scales span at most 8 binades this gives the bits of the fold relative to
+// each 128-K group's largest scale (until the thirtieth session; every step is exact or scales by a power of two).
+// Half the wgmma instructions of the BF16 path at twice the tensor rate, 1.25 decode instructions per weight instead
+// of ~2.5. Decode and K order: bit model docs/models/mxfp4_fp8_decode.py; error of the fold: benchmarks/fold_error.py
+// (docs/perf-notes.md).
 #pragma once
 
 #include <cuda.h>
@@ -112,6 +115,9 @@ struct Roles {
   static_assert(kConverterWarps * 32 == 64 + (kConverterGroup >= 0 ? 128 : 0), "converter thread mapping");
 };
 constexpr int kScaleWordsBytes = 16;  // weight scale bytes per row per stage in shared memory
+// FP8-wgmma path: MXFP4 takes 8 of those 16 bytes; bytes [8, 12) of scale row 4m hold the row exponents of rows 4m .. 4m
+// + 3 (one 4-byte copy) in a unit's first stage.
+constexpr int kRowExpBytes = 8;
 
 struct Params {
   const uint8_t* weights_sf;       // [E * n, k / wblk] (UE8M0 per 32 or UE4M3 per 16)
@@ -137,6 +143,9 @@ struct Params {
   bool fold_output;
   float* partials;      // [split_round units][kSlices * kRegs][consumer threads]: each split unit's accumulators
   int* split_counters;  // [split_round / 2]: a split tile's units that have finished; zero at launch (gather zeroes it)
+  // FP8-wgmma path: [E * n] each weight row's largest UE8M0 scale over the whole K (transform_weights), the exponent its
+  // weights are folded relative to. A unit's first stage carries its rows' bytes in the scale tile (kRowExpBytes).
+  const uint8_t* weights_row_exp;
 };
 
 // Split K of the last round: when the last of R >= 2 rounds of tiles holds L <= round / 2 tiles (few tokens: V4-Pro
@@ -352,9 +361,16 @@ __device__ __forceinline__ void fence_fragment(uint32_t (&a)[8][4]) {
 // ------------------------------------------------------------------------------------------------
 // FP8-wgmma path (file comment)
 // ------------------------------------------------------------------------------------------------
-constexpr int kNumFoldTables = 18;  // shifts 0..17 (every magnitude rounds to 0 in E4M3 from 13 on)
+// The fold tables: table i holds the E2M1 magnitudes x 2^(kFoldHeadroom - i). E2M1 x 2^d is exact in E4M3 for -8 <= d
+// <= 6 (0.5 x 2^-8 is its smallest subnormal, 6 x 2^6 = 384 <= 448), so weights folded relative to their row's largest
+// scale times 2^-6 (table row_exp - e_j) are exact while the row's scales span at most 14 binades. Tokens fold
+// relative to their group's largest scale (tables from kFoldHeadroom on: 2^-d). Every magnitude rounds to 0 from
+// 2^-13 on (the last tables).
+constexpr int kFoldHeadroom = 6;
+constexpr int kNumFoldTables = kFoldHeadroom + 18;
+constexpr int kNumTokenFoldTables = kNumFoldTables - kFoldHeadroom;  // token shifts 0..17
 
-// E4M3 bytes of the 8 E2M1 magnitudes x 2^-d, as the two PRMT sources (magnitudes 0-3, 4-7).
+// E4M3 bytes of the 8 E2M1 magnitudes x 2^-d (d >= -kFoldHeadroom), as the two PRMT sources (magnitudes 0-3, 4-7).
 __device__ __forceinline__ uint2 make_fold_table(int d) {
   constexpr float kMagnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
   const float f = __uint_as_float(uint32_t(127 - d) << 23);  // 2^-d, exact
@@ -377,28 +393,26 @@ __device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t w, uint2 t, uint32_t& lo
 
 // Decodes this thread's part of one (128-K group, 64-row slice) for the FP8-wgmma path: rows r and r + 8 of the slice,
 // 32 K each (sub-block q of the group), into the register A fragments of the group's 4 k32 steps, each weight folded
-// relative to its row's largest scale of the group (quad shuffles; fold table by the difference); fa / fb = the two
-// rows' 2^(largest - 127), the promotion's weight factors.
-__device__ __forceinline__ void decode_weights_e4m3(uint32_t (&a8)[4][4], float& fa, float& fb, const uint8_t* tile_a,
-                                                    const uint8_t* tile_sw, const uint2* fold_tables, int row, int g,
-                                                    int q) {
+// relative to its row's largest scale over the whole K (ra / rb: Params::weights_row_exp; fold table by the
+// difference). The rows' factors 2^(ra - 127) / 2^(rb - 127) multiply the accumulators once, after the tile's K.
+__device__ __forceinline__ void decode_weights_e4m3(uint32_t (&a8)[4][4], const uint8_t* tile_a, const uint8_t* tile_sw,
+                                                    const uint2* fold_tables, int row, int g, int q, uint32_t ra,
+                                                    uint32_t rb) {
   const int unit = ((4 * g + q) ^ (row % 8)) << 4;  // rows r and r + 8 share the swizzle phase
-  const uint4 ra = *reinterpret_cast<const uint4*>(tile_a + row * 128 + unit);
-  const uint4 rb = *reinterpret_cast<const uint4*>(tile_a + (row + 8) * 128 + unit);
-  // This thread's 32 K are sub-block q of the group: its scale, and the rows' largest over the quad.
+  const uint4 wra = *reinterpret_cast<const uint4*>(tile_a + row * 128 + unit);
+  const uint4 wrb = *reinterpret_cast<const uint4*>(tile_a + (row + 8) * 128 + unit);
+  // This thread's 32 K are sub-block q of the group: its scale, at most its row's largest (an unsigned minimum: a row
+  // exponent below a scale, which transform_weights never writes, reads the all-zero table, not outside the tables).
   const uint32_t ea = tile_sw[row * kScaleWordsBytes + 4 * g + q];
   const uint32_t eb = tile_sw[(row + 8) * kScaleWordsBytes + 4 * g + q];
-  uint32_t ma = max(ea, __shfl_xor_sync(0xffffffffu, ea, 1)), mb = max(eb, __shfl_xor_sync(0xffffffffu, eb, 1));
-  ma = max(ma, __shfl_xor_sync(0xffffffffu, ma, 2)), mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
-  const uint2 ta = fold_tables[min(int(ma - ea), kNumFoldTables - 1)];
-  const uint2 tb = fold_tables[min(int(mb - eb), kNumFoldTables - 1)];
-  const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
+  const uint2 ta = fold_tables[min(ra - ea, uint32_t(kNumFoldTables - 1))];  // x 2^(6 - (ra - ea))
+  const uint2 tb = fold_tables[min(rb - eb, uint32_t(kNumFoldTables - 1))];
+  const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     e2m1x8_to_e4m3(wa[s], ta, a8[s][0], a8[s][2]);
     e2m1x8_to_e4m3(wb[s], tb, a8[s][1], a8[s][3]);
   }
-  fa = ue8m0_float(ma), fb = ue8m0_float(mb);
 }
 
 // One token unit of the FP8-wgmma path: token n, 128-K group g, quarter q (32 K) -> folded E4M3 bytes in the
@@ -432,7 +446,7 @@ __device__ __forceinline__ void fold_token_unit(const uint8_t* raw, const uint8_
     static_assert(kRecipe == ActRecipe::kMXFP4, "the FP8-wgmma path takes FP8 or MXFP4 tokens");
     const uint4 raw4 = *reinterpret_cast<const uint4*>(raw + n * 128 + (((4 * g + q) ^ sw) << 4));
     const uint32_t w[4] = {raw4.x, raw4.y, raw4.z, raw4.w};  // word s: K 32q + 8s .. + 7
-    const uint2 tab = tables[min(d, kNumFoldTables - 1)];
+    const uint2 tab = tables[kFoldHeadroom + min(d, kNumTokenFoldTables - 1)];
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       uint32_t lo, hi;
@@ -555,7 +569,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     ptx::fence_barrier_init();
   }
   if constexpr (kFP8Mma) {
-    if (threadIdx.x >= 32 && threadIdx.x < 32 + kNumFoldTables) fold_tables[threadIdx.x - 32] = make_fold_table(threadIdx.x - 32);
+    if (threadIdx.x >= 32 && threadIdx.x < 32 + kNumFoldTables)
+      fold_tables[threadIdx.x - 32] = make_fold_table(threadIdx.x - 32 - kFoldHeadroom);
   }
   __syncthreads();
 
@@ -680,8 +695,17 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       const int act_blocks = p.k / kABlk;
       const int64_t pool_rows = l.pool_rows;  // a multiple of 128: every window word is 4-byte aligned
       const int64_t total_rows = int64_t(num_experts) * p.n;
-      auto copy_weight_scales = [&](const TileInfo& t, int kb, uint8_t* dst) {
+      auto copy_weight_scales = [&](const TileInfo& t, int kb, uint8_t* dst, bool unit_start) {
         const int64_t weight_row = int64_t(t.expert) * p.n + t.n_block * kTileN;
+        if constexpr (kFP8Mma) {
+          // The rows' exponents with the unit's first stage (n is a multiple of 128: 4 rows never straddle an expert).
+          if (unit_start) {
+#pragma unroll 1
+            for (int m = lane; m < kTileN / 4; m += 32)
+              if (weight_row + 4 * m < total_rows)
+                ptx::cp_async_4(dst + 4 * m * kScaleWordsBytes + kRowExpBytes, p.weights_row_exp + weight_row + 4 * m);
+          }
+        }
         if (p.wide_scale_copies && (kb + 1) * kBlockK <= p.k) {
           // One 8-byte (MXFP4) or 16-byte (NVFP4) copy per row: a quarter of the 4-byte copies, whose
           // count made this warp the limiter for NVFP4 (1,024 per stage).
@@ -706,7 +730,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       // The first tile's early stages: weight scales before the grid dependency wait, as the TMA warp's weights.
       const TileInfo first = early > 0 ? decode_tile_warp(first_unit.tile, tile_offset, expert_offset, num_experts,
                                                           num_nblocks, kBlockM) : TileInfo{};
-      for (int i = 0; i < early; ++i) copy_weight_scales(first, first_unit.kb_begin + i, tile_sw(i));
+      for (int i = 0; i < early; ++i) copy_weight_scales(first, first_unit.kb_begin + i, tile_sw(i), i == 0);
       // The token scales come from the grid before this one (gather, or L1 for L2): wait for it as the
       // TMA thread does (without this wait L2's scales raced with L1's epilogue and runs differed).
       ptx::grid_dependency_wait();
@@ -719,7 +743,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         for (int kb = u.kb_begin; kb < u.kb_end; ++kb) {
           if (!is_first || kb - u.kb_begin >= early) {
             ptx::mbarrier_wait(&empty[stage], phase ^ 1);
-            copy_weight_scales(t, kb, tile_sw(stage));
+            copy_weight_scales(t, kb, tile_sw(stage), kb == u.kb_begin);
           }
           uint8_t* dst_a = tile_sa(stage);
           if (folded) {
@@ -947,6 +971,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) acc[ls][i] = 0.0f;
     uint32_t a[8][4];  // the A fragments of one (128-K group, 64-row slice): 8 k16 steps
+    uint32_t row_exp[kSlices][2];  // FP8-wgmma path: rows r and r + 8 of each slice, their largest UE8M0 scale
     int live_cols = kCols;  // the BF16 wgmmas' N for this tile (set with its first stage; heuristics::fp4_narrow_mma)
     int prev_b = 0;
     uint8_t* bf = bf_tiles;
@@ -976,6 +1001,15 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           trace_c[trace_n][0] = -clock64();
         }
 #endif
+        if constexpr (kFP8Mma) {
+#pragma unroll
+          for (int ls = 0; ls < kSlices; ++ls)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = (kSlices * consumer + ls) * 64 + quad_row + 8 * h;
+              row_exp[ls][h] = tile_sw(stage)[(row & ~3) * kScaleWordsBytes + kRowExpBytes + (row & 3)];
+            }
+        }
         if constexpr (kEarlyInSmem) {
           issue_early_inputs(t);
         } else if constexpr (kEarlyEpilogueInputs) {
@@ -1014,9 +1048,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
           }
           uint32_t a8[4][4];  // k32 step s: word s of the 16 bytes (K 32q + 8s .. + 7)
-          float fa, fb;
-          decode_weights_e4m3(a8, fa, fb, tile_a(stage), tile_sw(stage), fold_tables,
-                              (kSlices * consumer + ls) * 64 + quad_row, g, q);
+          decode_weights_e4m3(a8, tile_a(stage), tile_sw(stage), fold_tables, (kSlices * consumer + ls) * 64 + quad_row,
+                              g, q, row_exp[ls][0], row_exp[ls][1]);
           // Folded tokens: the stage's own token tile and factors; else the converters' E4M3 tile and factors.
           const float* factors =
               reinterpret_cast<const float*>(folded ? tile_sa(stage) : bf + 2 * kCols * 128) + g * kCols;
@@ -1040,9 +1073,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           ptx::wgmma_wait<0>();
 #pragma unroll
           for (int i = 0; i < kRegsW; ++i) ptx::fence_operand(part[i]);
+          // The tokens' factors only: the weights' (their rows', constant along K) multiply after the tile's K.
 #pragma unroll
-          for (int i = 0; i < kRegsW; ++i)
-            acc[ls][i] = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);
+          for (int i = 0; i < kRegsW; ++i) acc[ls][i] = fmaf(part[i], fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);
         }
       };
       if constexpr (kBlockM == 128) {
@@ -1159,6 +1192,17 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     for (int ls = 0; ls < kSlices; ++ls)
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) ptx::fence_operand(acc[ls][i]);
+    if constexpr (kFP8Mma) {
+      // The rows' weight factors 2^(row_exp - 127 - kFoldHeadroom), once per unit (exact: powers of two; a split unit's
+      // partials carry them too).
+      constexpr float kHeadroom = 1.0f / (1 << kFoldHeadroom);
+#pragma unroll
+      for (int ls = 0; ls < kSlices; ++ls) {
+        const float fr[2] = {ue8m0_float(row_exp[ls][0]) * kHeadroom, ue8m0_float(row_exp[ls][1]) * kHeadroom};
+#pragma unroll
+        for (int i = 0; i < kRegs; ++i) acc[ls][i] *= fr[(i / 2) % 2];
+      }
+    }
 #ifdef MEGAMOE_TILE_TRACE
     if (ctid == 0 && trace_n < kTraceTiles)
       trace_t[trace_n][1] = ptx::globaltimer_ns(), trace_c[trace_n][0] += clock64();  // main loop done

@@ -97,8 +97,12 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   kernels::launch_gather(buf, l, recipe, sms, stream, counters, counter_words, folded);
 
   const float clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
+  // The third kernel-layout weight tensor: NVFP4's per-expert global scales, MXFP4's per-row exponents (check_mega_moe).
   auto global_ptr = [&](const at::Tensor& g) -> const float* {
     return format == WeightFormat::kNVFP4 && g.defined() ? g.data_ptr<float>() : nullptr;
+  };
+  auto row_exp_ptr = [&](const at::Tensor& g) -> const uint8_t* {
+    return format == WeightFormat::kMXFP4 ? g.data_ptr<uint8_t>() : nullptr;
   };
 
   // ---- L1: dispatch rows x w13 -> SwiGLU -> pool (FP8 / MXFP4 in the epilogue, NVFP4 through scratch)
@@ -112,6 +116,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g1.acts_sf = buf + l.dispatch_sf_offset;
   g1.weights_sf = static_cast<const uint8_t*>(l1_weights_sf.data_ptr());
   g1.weights_global_sf = global_ptr(l1_weights_global_sf);
+  g1.weights_row_exp = row_exp_ptr(l1_weights_global_sf);
   g1.acts_global_sf = nv_acts ? reinterpret_cast<const float*>(buf + l.dispatch_global_sf_offset) : nullptr;
   g1.scratch = nv_acts ? scratch.data_ptr<float>() : nullptr;
   g1.n = static_cast<int>(2 * inter);
@@ -145,6 +150,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   }
   g2.weights_sf = static_cast<const uint8_t*>(l2_weights_sf.data_ptr());
   g2.weights_global_sf = global_ptr(l2_weights_global_sf);
+  g2.weights_row_exp = row_exp_ptr(l2_weights_global_sf);
   g2.acts_global_sf = nv_acts ? reinterpret_cast<const float*>(buf + l.pool_global_sf_offset) : nullptr;
   g2.scratch = nullptr;
   g2.n = static_cast<int>(h);

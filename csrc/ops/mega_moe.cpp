@@ -43,10 +43,21 @@ void check_weights(const at::Tensor& w, const at::Tensor& sf, const at::Tensor& 
   }
   MEGAMOE_CHECK_CONTIGUOUS(sf, sf_name);
   MEGAMOE_CHECK_SAME_DEVICE(sf, sf_name, y, "y");
+  // The third tensor: none for FP8 (the FP8 op has no argument), NVFP4's per-expert global scales, MXFP4's per-row
+  // exponents (each row's largest UE8M0 scale: the FP8-wgmma path folds the row's weights relative to it).
   if (global_sf.defined()) {
-    MEGAMOE_CHECK_DTYPE(global_sf, global_name, at::kFloat);
-    MEGAMOE_CHECK_DIM(global_sf, global_name, 1);
-    MEGAMOE_CHECK_SIZE(global_sf, global_name, 0, e);
+    if (format == WeightFormat::kMXFP4) {
+      TORCH_CHECK_TYPE(global_sf.scalar_type() == at::kByte, global_name,
+                       ": expected dtype Byte (mxfp4: each row's largest UE8M0 scale, from transform_weights), got ",
+                       c10::toString(global_sf.scalar_type()));
+      MEGAMOE_CHECK_DIM(global_sf, global_name, 2);
+      MEGAMOE_CHECK_SIZE(global_sf, global_name, 0, e);
+      MEGAMOE_CHECK_SIZE(global_sf, global_name, 1, n);
+    } else {
+      MEGAMOE_CHECK_DTYPE(global_sf, global_name, at::kFloat);
+      MEGAMOE_CHECK_DIM(global_sf, global_name, 1);
+      MEGAMOE_CHECK_SIZE(global_sf, global_name, 0, e);
+    }
     MEGAMOE_CHECK_CONTIGUOUS(global_sf, global_name);
     MEGAMOE_CHECK_SAME_DEVICE(global_sf, global_name, y, "y");
   }
@@ -143,11 +154,11 @@ void mega_moe_cpu(at::Tensor& y, const at::Tensor& l1_weights, const at::Tensor&
     if (recv_stats.has_value()) (*recv_stats)[e].add_(n);
     if (n == 0) continue;
     auto tok = pos.select(1, 0), slot = pos.select(1, 1);
-    auto w1 = cpu::dequantize_weights(l1_weights[e], l1_weights_sf[e],
-                                      l1_weights_global_sf.defined() ? l1_weights_global_sf[e] : at::Tensor(),
+    // Global scales: NVFP4 only (MXFP4's third tensor holds row exponents, which scale nothing).
+    const bool nv = args.weight_format == WeightFormat::kNVFP4;
+    auto w1 = cpu::dequantize_weights(l1_weights[e], l1_weights_sf[e], nv ? l1_weights_global_sf[e] : at::Tensor(),
                                       args.weight_format);
-    auto w2 = cpu::dequantize_weights(l2_weights[e], l2_weights_sf[e],
-                                      l2_weights_global_sf.defined() ? l2_weights_global_sf[e] : at::Tensor(),
+    auto w2 = cpu::dequantize_weights(l2_weights[e], l2_weights_sf[e], nv ? l2_weights_global_sf[e] : at::Tensor(),
                                       args.weight_format);
     auto hid = at::matmul(x.index_select(0, tok), w1.t()).to(at::kBFloat16).to(at::kFloat);
     // Interleaved rows: chunk 2j = gate rows [64j, 64j+64), chunk 2j+1 = the matching up rows.

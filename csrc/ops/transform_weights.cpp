@@ -89,9 +89,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> transform_weights(
       sf = interleave_gate_up(sf, kInterleave);
     }
   }
-  at::Tensor g = format == WeightFormat::kNVFP4
-                     ? weights_global_sf->reshape({-1}).expand({e}).to(at::kFloat)
-                     : at::ones({e}, weights.options().dtype(at::kFloat));
+  // The third tensor: NVFP4 the per-expert global scale; MXFP4 each kernel-layout row's largest UE8M0 scale (uint8
+  // [E, N]), the exponent the FP8-wgmma path folds the row's weights relative to (docs/decisions.md); FP8 ones.
+  at::Tensor g;
+  switch (format) {
+    case WeightFormat::kNVFP4: g = weights_global_sf->reshape({-1}).expand({e}).to(at::kFloat); break;
+    case WeightFormat::kMXFP4: g = k > 0 ? sf.amax(2) : at::zeros({e, n}, sf.options()); break;
+    case WeightFormat::kFP8: g = at::ones({e}, weights.options().dtype(at::kFloat)); break;
+  }
   // Fresh contiguous outputs: the op is pure and never aliases its inputs.
   return {w.clone(at::MemoryFormat::Contiguous), sf.clone(at::MemoryFormat::Contiguous),
           g.clone(at::MemoryFormat::Contiguous)};

@@ -21,6 +21,10 @@ Scheme (per weight row and 128-K block, MXFP4 scales e_0..e_3 per 32 K, E = max 
   (one 16-byte load per row and 128 K, the chunk grouping of today's FP4 kernel layout) and its table is that
   of sub-block q. The converter warps write the folded token tile in the same permuted K order.
 
+Since the thirtieth session the kernel folds per row instead (E = the row's largest scale over the whole K, from
+transform_weights; tables of 2^(6 - (E - e_j)), exact while E - e_j <= 14; the rows' 2^(E - 133) multiply the
+accumulators after the tile's K). The decode, the tables' byte layout and the K permutation modelled here are the same.
+
     python3 docs/models/mxfp4_fp8_decode.py
 """
 from __future__ import annotations
