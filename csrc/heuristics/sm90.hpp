@@ -356,9 +356,13 @@ inline int fp4_split_round(int64_t num_tokens, int64_t top_k, int64_t num_expert
 // 0.711, 96 0.77 / 0.77, 120 0.919 / 0.920, 192 0.938 / 0.942; V4-Pro 80 0.699 / 0.692, 96 0.735 / 0.731, 112 0.805 /
 // 0.805, 128 0.950 / 0.950. Not chosen: V4-Flash 144 1.066 / 1.057, 168 1.057 / 1.065; 60 rows 1.017 / 0.962; 24-56 rows
 // 1.04-1.24.
+// Re-checked after the row-exponent fold (H100, 2026-11-26, docs/bench/h100-2026-11-26k-ab-fp4-block128-*.json, 2 rounds
+// unless noted): V4-Pro 64 rows (T=4096) 0.899 / 0.890 (and 0.895 / 0.911 in 1 round): from 64 rows since. Still not
+// chosen: 60 rows V4-Flash 1.009 / 0.994, V4-Pro 1.005 / 0.968; 52-56 rows 1.02-1.15; V4-Flash 144 0.986 / 1.012 and
+// 168 1.022 / 1.034 (1 round).
 inline bool fp4_block128_recipe(bool fp8_mma, bool folded) { return fp8_mma && folded; }
 inline bool fp4_block128_for(int64_t rows) {
-  if (rows <= 64) return false;
+  if (rows < 64) return false;
   const int64_t blocks64 = static_cast<int64_t>(std::ceil((rows + std::sqrt(double(rows))) / 64.0));
   return blocks64 >= 2 * ((rows + 127) / 128);
 }
