@@ -308,6 +308,35 @@ def test_mxfp4_block128_equals_block64(hidden, inter, spread, monkeypatch):
     assert torch.equal(run(128), y64)  # run to run
 
 
+@pytest.mark.parametrize("hidden,inter,spread", [(384, 256, 0), (640, 896, 3), (1024, 1024, 12), (256, 2048, 0)])
+def test_mxfp4_w4a4_upstream_fold_equals_converters(hidden, inter, spread, monkeypatch):
+    """MXFP4 w4a4 on the FP8-wgmma path at block_m 128 (heuristics::fp4_fold_mxfp4_tokens): a pass folds the
+    dispatched MXFP4 tokens into E4M3 before L1 and L1's MXFP4 outputs before L2 (launch_fold_mxfp4), and the GEMMs run
+    the folded-token 128 x 128 builds, L1 quantizing its outputs to MXFP4. The folded values are the converters'
+    (fold_token_unit), so the outputs equal the converters' block_m 64 build's (MEGAMOE_FP4_FOLD_MXFP4=0) bitwise, on
+    poisoned GEMM outputs: experts of 1-300 rows and one empty, partial stages, token scales spread within each 128-K
+    group (12: the fold rounds). Without the fold block_m stays at most 64 (the converters need the bf16 ring)."""
+    rows = [1, 16, 63, 64, 65, 96, 97, 127, 128, 129, 200, 256, 300, 0, 33]
+    case = case_with_rows(rows, hidden, inter, "mxfp4", "fp4", seed=901 + hidden + spread, routing_seed=902 + inter)
+    if spread:
+        chan = torch.arange(hidden, device="cuda") // 32 % 4
+        case.x = (case.x.float() * torch.exp2(chan.float() * spread / 3)).to(case.x.dtype)
+    case.ref = case.reference()
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
+
+    def run(block_m, fold):
+        monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", str(block_m))
+        monkeypatch.setenv("MEGAMOE_FP4_FOLD_MXFP4", "1" if fold else "0")
+        poison_gemm_outputs(case.buffer)
+        return run_poisoned(case)
+
+    converters = run(64, False)
+    assert rel_err(converters, case.ref) <= (TOL if not spread else 5e-2)
+    assert torch.equal(run(64, True), converters)  # no fold below block_m 128
+    assert torch.equal(run(128, True), converters)
+    assert torch.equal(run(128, True), converters)  # run to run
+
+
 @pytest.mark.parametrize("weight_format,act_format,fp8_mma", [("nvfp4", "fp4", False), ("nvfp4", "fp8", False),
                                                                 ("mxfp4", "fp8", False), ("mxfp4", "fp8", True)])
 @pytest.mark.parametrize("hidden,inter", [(384, 256), (256, 1024), (1024, 1024)])

@@ -202,6 +202,24 @@ inline bool fp4_folded_tokens() {
   return env == nullptr || env[0] != '0';
 }
 
+// FP8-wgmma path with MXFP4 tokens (w4a4): where the rows take block_m 128 (fp4_block128_for, which the fold opens to
+// them), a pass folds the dispatched tokens into an E4M3 workspace before L1 and another L1's MXFP4 outputs before L2
+// (launch_fold_mxfp4: the converters' fold, so the same bits), and both GEMMs run the folded-token builds (no converters,
+// 128 x 128 tiles). Workspace: pool_rows x (hidden + intermediate) bytes plus factors, per call (V4-Flash T=8192: ~300
+// MB). A choice by token count keeps EP's bits (the same values either way). MEGAMOE_FP4_FOLD_MXFP4=0 (read per call;
+// tests) turns it off (block_m 64 with the converters there).
+// NOTES: H100 A/B (2026-11-26, 2 rounds, per replay / in a graph over the converters' block_m 64;
+// docs/bench/h100-2026-11-26k-ab-fp4-w4a4-upstream-fold.json): V4-Flash T=3072 0.765 / 0.761, 4096 0.759 / 0.747, 8192
+// 0.885 / 0.900; V4-Pro 4096 0.861 / 0.851, 8192 0.876 / 0.876. With the fold at block_m 64 as well: V4-Flash T=2048
+// 1.002 / 1.001, V4-Pro 3072 0.999 / 0.964 (the passes cost what the converters did): not taken there, for the memory.
+inline bool fp4_fold_mxfp4_allowed() {
+  const char* env = std::getenv("MEGAMOE_FP4_FOLD_MXFP4");
+  return env == nullptr || env[0] != '0';
+}
+inline bool fp4_fold_mxfp4_tokens(bool allowed, int block_m, int split_rounds, int tail_rows) {
+  return allowed && block_m == 128 && split_rounds == 0 && tail_rows == 0;
+}
+
 // FP4: each tile's wgmmas are as wide as its rows rounded up: BF16 path to 8, at least 16 (m64n16, n24 ... n64;
 // block_m 16: n8 for up to 8 rows), FP8-wgmma path as below; not the whole block (sm90_fp4_grouped_gemm.cuh, live_cols).
 // MEGAMOE_FP4_NARROW_MMA=0 (read per call; tests) runs every tile at the block's width. NOTES: H100 A/B of the

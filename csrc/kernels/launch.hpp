@@ -89,6 +89,9 @@ struct Fp4GroupedGemmArgs {
   // acts_sf holds float factors [k / 128, pool_rows] and the rows are in the kernel's E4M3 tile order.
   bool folded_tokens = false;
   bool fold_output = false;  // L1: write L2's input (pool) folded the same way
+  // L1 with MXFP4 tokens folded upstream (launch_fold_mxfp4; recipe kFP8UE8M0Block32, folded_tokens): the epilogue
+  // quantizes to MXFP4 (the w4a4 pool), heuristics::fp4_fold_mxfp4_tokens.
+  bool out_fp4 = false;
 };
 void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
                              int block_m, int num_sms, cudaStream_t stream);
@@ -100,5 +103,10 @@ void launch_nvfp4_requant(const float* scratch, uint8_t* buffer, const layout::B
 // place per 128-K group (fold_fp8_group), their float32 factors into `factors` [intermediate / 128, pool_rows].
 void launch_pool_fold(uint8_t* buffer, const layout::BufferLayout& layout, float* factors, int num_sms,
                       cudaStream_t stream);
+// MXFP4 tokens (packed E2M1 rows of k / 2 bytes at `src`, UE8M0 scales [k / 32, pool_rows] at `src_sf`) of the routed rows
+// -> E4M3 rows [pool_rows, k] at `dst` in the FP8-wgmma path's token order, folded per 128-K group as its converters fold
+// them (fold_token_unit: the same bits), and the groups' float32 factors [k / 128, pool_rows] at `factors`.
+void launch_fold_mxfp4(const uint8_t* src, const uint8_t* src_sf, int64_t k, uint8_t* dst, float* factors,
+                       const uint8_t* buffer, const layout::BufferLayout& layout, int num_sms, cudaStream_t stream);
 
 }  // namespace megamoe::kernels

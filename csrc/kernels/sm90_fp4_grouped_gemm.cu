@@ -156,7 +156,52 @@ __global__ void __launch_bounds__(256) pool_fold_kernel(uint8_t* buffer, layout:
   }
 }
 
+// One thread per (routed row, 128-K group), as pool_fold_kernel: the group's 4 quarters (16 bytes of E2M1 each) through
+// the fold tables relative to the group's largest scale, into 8 chunks of 16 bytes: chunk 2 s + h holds, at byte 4 q,
+// quarter q's E4M3 bytes of k32 step s (h = 0: K 32 q + 8 s .. + 3, h = 1: + 4 .. + 7), the layout fold_token_unit
+// writes into the kernel's tile (before its swizzle, which the TMA applies).
+__global__ void __launch_bounds__(256) fold_mxfp4_kernel(const uint8_t* src, const uint8_t* src_sf, int64_t k, uint8_t* dst,
+                                                         float* factors, const uint8_t* buffer, layout::BufferLayout l) {
+  __shared__ uint2 tables[fp4::kNumFoldTables];
+  if (threadIdx.x < fp4::kNumFoldTables) tables[threadIdx.x] = fp4::make_fold_table(threadIdx.x - fp4::kFoldHeadroom);
+  __syncthreads();
+  ptx::grid_dependency_wait();  // the gather's rows (L1) or L1's outputs (L2)
+  ptx::launch_dependents();
+  const int rows = __ldcg(reinterpret_cast<const int*>(buffer + l.expert_offset_offset) + l.num_local_experts);
+  const int groups = static_cast<int>(k / 128);
+  const int64_t total = int64_t(rows) * groups;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int g = static_cast<int>(i / rows), row = static_cast<int>(i % rows);
+    const uint4* in = reinterpret_cast<const uint4*>(src + int64_t(row) * (k / 2) + g * 64);
+    uint32_t t[4], tmax = 0;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) t[q] = __ldcg(src_sf + int64_t(4 * g + q) * l.pool_rows + row), tmax = max(tmax, t[q]);
+    uint32_t lo[4][4], hi[4][4];  // [quarter][step]
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const uint4 raw = __ldcg(in + q);
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};  // word s: K 32 q + 8 s .. + 7
+      const uint2 tab = tables[fp4::kFoldHeadroom + min(int(tmax - t[q]), fp4::kNumTokenFoldTables - 1)];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) fp4::e2m1x8_to_e4m3(w[s], tab, lo[q][s], hi[q][s]);
+    }
+    uint4* out = reinterpret_cast<uint4*>(dst + int64_t(row) * k + g * 128);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      out[2 * s] = make_uint4(lo[0][s], lo[1][s], lo[2][s], lo[3][s]);
+      out[2 * s + 1] = make_uint4(hi[0][s], hi[1][s], hi[2][s], hi[3][s]);
+    }
+    factors[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
+  }
+}
+
 }  // namespace
+
+void launch_fold_mxfp4(const uint8_t* src, const uint8_t* src_sf, int64_t k, uint8_t* dst, float* factors,
+                       const uint8_t* buffer, const layout::BufferLayout& layout, int num_sms, cudaStream_t stream) {
+  launch_pdl(fold_mxfp4_kernel, dim3(num_sms * 4), dim3(256), 0, stream, src, src_sf, k, dst, factors, buffer, layout);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
 
 void launch_pool_fold(uint8_t* buffer, const layout::BufferLayout& layout, float* factors, int num_sms,
                       cudaStream_t stream) {

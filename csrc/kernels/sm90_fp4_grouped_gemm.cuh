@@ -468,14 +468,20 @@ static __global__ void fp4_trace_print_kernel(int gemm, int num_ctas) {
 }
 #endif
 
+// kRecipe: the tokens' recipe as the kernel reads them, and L1's output recipe; kOutFP4 (L1 on the FP8-wgmma path,
+// block_m 128): MXFP4 tokens folded upstream (launch_fold_mxfp4: read as folded FP8 tokens, kRecipe kFP8UE8M0Block32)
+// whose L1 output is MXFP4 again (the w4a4 semantics; heuristics::fp4_fold_mxfp4_tokens).
 template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma, bool kSplitK,
-          bool kWideTail>
+          bool kWideTail, bool kOutFP4 = false>
 __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     sm90_fp4_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
                                  const __grid_constant__ CUtensorMap tmap_acts,
                                  const __grid_constant__ CUtensorMap tmap_acts_tail, Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
+  static_assert(!kOutFP4 || (kIsL1 && kFP8Mma && kRecipe == ActRecipe::kFP8UE8M0Block32 && !kSplitK && !kWideTail),
+                "MXFP4 output from folded tokens: L1 on the FP8-wgmma path, no split, no tail");
+  constexpr ActRecipe kOut = kOutFP4 ? ActRecipe::kMXFP4 : kRecipe;  // L1's output recipe
   // Block_m 128 (Roles): folded FP8 tokens on the FP8-wgmma path only; the converters and the bf16 ring are not built.
   constexpr bool kFoldedOnly = kBlockM == 128;
   static_assert(!kFoldedOnly || (kFP8Mma && !kNV && kRecipe == ActRecipe::kFP8UE8M0Block32 && !kSplitK && !kWideTail),
@@ -1361,7 +1367,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       auto own_col = [&](int r) { return 8 * own_group(r / 4) + 2 * q + (r % 2); };
       swiglu_fragment<true>(gate, up, own_w, own_f, p.fast_math, p.activation_clamp);
       const int inter = p.n / 2;
-      if constexpr (kRecipe == ActRecipe::kNVFP4) {
+      if constexpr (kOut == ActRecipe::kNVFP4) {
         // The per-token global scale spans the whole I row, which no tile sees: store float32, the
         // requantization kernel runs after this grid.
 #pragma unroll
@@ -1381,7 +1387,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         // FP8-wgmma path, FP8 tokens: L2's input leaves folded (Params::fold_output), as the gather folds L1's. (Only
         // in `if constexpr (kCanFoldOut)` blocks: the other builds' code stays as it was, register for register.)
         // (A 128-row tile writes 64 outputs, half of L2's 128-K group: block_m 128 leaves the fold to launch_pool_fold.)
-        constexpr bool kCanFoldOut = kFP8Mma && kRecipe == ActRecipe::kFP8UE8M0Block32 && kTileN == 256;
+        constexpr bool kCanFoldOut = kFP8Mma && kOut == ActRecipe::kFP8UE8M0Block32 && kTileN == 256;
         constexpr int kOutBlocks = kTileN / 64;  // this tile's 32-output scale blocks (its kTileN / 2 outputs)
 #pragma unroll
         for (int sl = 0; sl < kOwnGroups; ++sl)
@@ -1400,7 +1406,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         if (ctid < kOutBlocks * kCols) {
           const int bl = ctid / kCols, col = ctid % kCols;  // bl = pair * 2 + warp / 2: warps 2 bl, 2 bl + 1
           const float amax = max_nan(amax_smem[(2 * bl) * kCols + col], amax_smem[(2 * bl + 1) * kCols + col]);
-          constexpr float kCodeMax = kRecipe == ActRecipe::kFP8UE8M0Block32 ? kFP8Max : kE2M1Max;
+          constexpr float kCodeMax = kOut == ActRecipe::kFP8UE8M0Block32 ? kFP8Max : kE2M1Max;
           const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / kCodeMax);
           inv_smem[bl * kCols + col] = pow2_reciprocal(scale);
           auto store_scale = [&] {
@@ -1426,7 +1432,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             const float inv = inv_block[col];
             const int out = pair * 64 + quad_row;
             uint8_t c0, c1;
-            if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
+            if constexpr (kOut == ActRecipe::kFP8UE8M0Block32) {
               c0 = to_fp8(gate[i0] * inv), c1 = to_fp8(gate[i0 + 2] * inv);
             } else {
               c0 = static_cast<uint8_t>(e2m1_code(gate[i0] * inv));
@@ -1464,7 +1470,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           }
         };
         auto copy_out = [&] {
-          if constexpr (kRecipe == ActRecipe::kFP8UE8M0Block32) {
+          if constexpr (kOut == ActRecipe::kFP8UE8M0Block32) {
             // Coalesced copy-out: kParts x 16 bytes per token row (8; block_m 128: 4).
             constexpr int kParts = kTileN / 32;
             for (int c = ctid; c < kCols * kParts; c += kNumConsumerThreads) {
@@ -1475,9 +1481,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
                     reinterpret_cast<const uint4*>(out_tile)[col * 8 + staged_chunk(col, part)];
             }
           } else {
-            // Pack: 8 codes -> 4 bytes (low nibble first); 16 x 4 bytes per token row.
-            for (int c = ctid; c < kCols * 16; c += kNumConsumerThreads) {
-              const int col = c / 16, part = c % 16;
+            // Pack: 8 codes -> 4 bytes (low nibble first); kPackParts x 4 bytes per token row (16; block_m 128: 8).
+            constexpr int kPackParts = kTileN / 16;
+            for (int c = ctid; c < kCols * kPackParts; c += kNumConsumerThreads) {
+              const int col = c / kPackParts, part = c % kPackParts;
               if (col < t.rows) {
                 const uint2 codes =
                     reinterpret_cast<const uint2*>(out_tile)[col * 16 + staged_chunk(col, part / 2) * 2 + part % 2];
@@ -1488,7 +1495,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
                   packed |= ((codes.y >> (8 * b)) & 0xF) << (16 + 4 * b);
                 }
                 *reinterpret_cast<uint32_t*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * (inter / 2) +
-                                             t.n_block * 64 + part * 4) = packed;
+                                             t.n_block * (kTileN / 4) + part * 4) = packed;
               }
             }
           }
@@ -1547,7 +1554,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 
 // Host: one instantiation's launch (defined here, instantiated by the per-layer .cu files).
 template <int kBlockM, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma, bool kSplitK = false,
-          bool kWideTail = false>
+          bool kWideTail = false, bool kOutFP4 = false>
 void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cudaStream_t stream) {
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
   constexpr int kCols = heuristics::fp4_tile_cols(kBlockM, kWideTail);
@@ -1555,7 +1562,7 @@ void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cu
   constexpr int kBytes = Smem<kBlockM, kCols, kActFP4>::template bytes<kStages>();
   static_assert(kBytes <= 227 * 1024, "FP4 grouped GEMM shared memory exceeds the 227 KB a block may use");
   constexpr auto kernel =
-      sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe, kFP8Mma, kSplitK, kWideTail>;
+      sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe, kFP8Mma, kSplitK, kWideTail, kOutFP4>;
   allow_dynamic_smem<kernel>(kBytes);
   launch_pdl(kernel, dim3(num_sms), dim3(Roles<kBlockM>::kThreads), kBytes, stream, a.tmap_weights, a.tmap_acts,
              a.tmap_acts_tail, p);
@@ -1600,6 +1607,19 @@ void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int
         break;                                                                                        \
     }                                                                                                 \
     break;
+  // MXFP4 tokens folded upstream into L1 (launch_fold_mxfp4), MXFP4 out: block_m 128 (heuristics::
+  // fp4_fold_mxfp4_tokens; the converters' builds below elsewhere).
+  if (a.out_fp4) {
+    if constexpr (kIsL1 && kFP8Mma && !kNV) {
+      if (block_m == 128 && a.recipe == ActRecipe::kFP8UE8M0Block32 && p.folded_tokens && !p.fold_output &&
+          p.split_round == 0 && a.tail_rows == 0)
+        return launch_config<128, true, false, ActRecipe::kFP8UE8M0Block32, true, false, false, true>(a, p, num_sms,
+                                                                                                       stream);
+    }
+    throw std::runtime_error("megamoe: MXFP4 output from upstream-folded tokens needs L1 on the FP8-wgmma path, block_m "
+                             "128, folded tokens, no fold in L1's epilogue, no split K and no tail rows; got block_m " +
+                             std::to_string(block_m));
+  }
   switch (block_m) {
     MEGAMOE_FP4_LAUNCH(16)
     MEGAMOE_FP4_LAUNCH(32)
