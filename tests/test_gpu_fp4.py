@@ -278,6 +278,19 @@ def test_mxfp4_fp8_mma_narrow_equals_full_width(act_format, block_m, hidden, int
     assert_narrow_equals_full_width(case, block_m, True, monkeypatch)
 
 
+def block128_case(hidden, inter, act_format, spread, seed, routing_seed):
+    """An MXFP4 top-1 case for the block_m 128 equalities: experts of 1-300 rows (every n64 / n96 / n128 width class,
+    several 128-row blocks) and one empty; the token channels scaled by 2^(spread / 3 x (channel / 32 % 4)), so that the
+    token scales spread within each 128-K group by up to `spread` binades (12: the fold rounds)."""
+    rows = [1, 16, 63, 64, 65, 96, 97, 127, 128, 129, 200, 256, 300, 0, 33]
+    case = case_with_rows(rows, hidden, inter, "mxfp4", act_format, seed=seed, routing_seed=routing_seed)
+    if spread:
+        chan = torch.arange(hidden, device="cuda") // 32 % 4
+        case.x = (case.x.float() * torch.exp2(chan.float() * spread / 3)).to(case.x.dtype)
+    case.ref = case.reference()
+    return case
+
+
 @pytest.mark.parametrize("hidden,inter,spread", [(384, 256, 0), (640, 896, 3), (1024, 1024, 12), (256, 2048, 0)])
 def test_mxfp4_block128_equals_block64(hidden, inter, spread, monkeypatch):
     """Block_m 128 (MXFP4 w4a8 on the FP8-wgmma path, folded tokens: 128 x 128 tiles, one 64-row slice per consumer,
@@ -285,12 +298,7 @@ def test_mxfp4_block128_equals_block64(hidden, inter, spread, monkeypatch):
     epilogue math of block_m 64, so the outputs are bitwise equal: experts of 1-300 rows (every n64 / n96 / n128 width
     class, several 128-row blocks) and one empty, partial stages (hidden 384, 640; intermediate 896), token scales
     spread within each 128-K group (12: the fold rounds), on poisoned GEMM outputs, narrow and full-width wgmmas."""
-    rows = [1, 16, 63, 64, 65, 96, 97, 127, 128, 129, 200, 256, 300, 0, 33]
-    case = case_with_rows(rows, hidden, inter, "mxfp4", "fp8", seed=801 + hidden + spread, routing_seed=802 + inter)
-    if spread:
-        chan = torch.arange(hidden, device="cuda") // 32 % 4
-        case.x = (case.x.float() * torch.exp2(chan.float() * spread / 3)).to(case.x.dtype)
-    case.ref = case.reference()
+    case = block128_case(hidden, inter, "fp8", spread, seed=801 + hidden + spread, routing_seed=802 + inter)
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
     monkeypatch.setenv("MEGAMOE_MXFP4_FOLD_TOKENS", "1")
 
@@ -316,12 +324,7 @@ def test_mxfp4_w4a4_upstream_fold_equals_converters(hidden, inter, spread, monke
     (fold_token_unit), so the outputs equal the converters' block_m 64 build's (MEGAMOE_FP4_FOLD_MXFP4=0) bitwise, on
     poisoned GEMM outputs: experts of 1-300 rows and one empty, partial stages, token scales spread within each 128-K
     group (12: the fold rounds). Without the fold block_m stays at most 64 (the converters need the bf16 ring)."""
-    rows = [1, 16, 63, 64, 65, 96, 97, 127, 128, 129, 200, 256, 300, 0, 33]
-    case = case_with_rows(rows, hidden, inter, "mxfp4", "fp4", seed=901 + hidden + spread, routing_seed=902 + inter)
-    if spread:
-        chan = torch.arange(hidden, device="cuda") // 32 % 4
-        case.x = (case.x.float() * torch.exp2(chan.float() * spread / 3)).to(case.x.dtype)
-    case.ref = case.reference()
+    case = block128_case(hidden, inter, "fp4", spread, seed=901 + hidden + spread, routing_seed=902 + inter)
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
 
     def run(block_m, fold):
