@@ -114,6 +114,8 @@ def main():
     ap.add_argument("--weight-headroom", type=int, default=WEIGHT_FOLD[1],
                     help="binades the folded weights may rise above E2M1's range (6: the kernels'; at most 6)")
     args = ap.parse_args()
+    if not 0 <= args.weight_headroom <= 6:
+        ap.error(f"--weight-headroom: expected 0 to 6 (6 x 2^6 = 384 <= 448, E4M3's largest), got {args.weight_headroom}")
     WEIGHT_FOLD[:] = [args.weight_fold, args.weight_headroom]
     e, h, i, k, t = args.experts, args.hidden, args.intermediate, args.top_k, args.tokens
     print(f"E={e} H={h} I={i} top-k={k} T={t}, {args.seeds} seeds, CPU; errors relative to the emulating reference; "

@@ -389,8 +389,9 @@ class MegaMoEExperts(nn.Module):
         into the checkpoint parameter's own storage wherever the kernel layout has the checkpoint's dtype and
         shape per expert (weights of every format, FP4 block scales, NVFP4 global scales: a permutation of
         the same bytes); that storage then becomes the kernel buffer. Only the FP8 block scales (float32
-        [E, N/128, K/128] -> [E, N/64, K/128], under 0.1 % of the bytes) and the all-ones global scales of
-        fp8/mxfp4 are allocated anew, so peak memory stays at the checkpoint's size plus one expert.
+        [E, N/128, K/128] -> [E, N/64, K/128], under 0.1 % of the bytes), fp8's all-ones global scales and
+        mxfp4's row exponents (uint8 [E, N]) are allocated anew, so peak memory stays at the checkpoint's size
+        plus one expert.
         Results are bit-identical to :func:`megamoe.transform_weights` of the whole layer (the transform is
         per expert). Afterwards the parameters are None and the kernel tensors are the non-persistent
         buffers ``w13_kernel*`` / ``w2_kernel*``. Also allocates the shared buffer

@@ -80,7 +80,8 @@ static_assert(num_stages_for(16) == 6 && num_stages_for(32) == 5 && num_stages_f
 // (13 and 27 rows) are not measured themselves: they lie between those points, where a Poisson count passes its block
 // ~20 % of the time (about what the next block width costs the FP4 kernels where nothing passes). Before: 16 / 32 / 64
 // up to 16 / 32 / 64 rows.
-// MEGAMOE_FP8_BLOCK_M=16/32/64/128 and MEGAMOE_FP4_BLOCK_M=16/32/64 (read per call; tests) force the kernels'.
+// MEGAMOE_FP8_BLOCK_M=16/32/64/128 and MEGAMOE_FP4_BLOCK_M=16/32/64 (128 where fp4_block128_recipe) (read per call;
+// tests) force the kernels'.
 inline int token_block_for(int64_t rows, int max_block_m) {
   const int b = rows <= 13 ? 16 : rows <= 27 ? 32 : rows <= 88 ? 64 : rows <= 112 ? 128 : 64;
   return b < max_block_m ? b : max_block_m;
@@ -205,9 +206,10 @@ inline bool fp4_folded_tokens() {
 // FP8-wgmma path with MXFP4 tokens (w4a4): where the rows take block_m 128 (fp4_block128_for, which the fold opens to
 // them), a pass folds the dispatched tokens into an E4M3 workspace before L1 and another L1's MXFP4 outputs before L2
 // (launch_fold_mxfp4: the converters' fold, so the same bits), and both GEMMs run the folded-token builds (no converters,
-// 128 x 128 tiles). Workspace: pool_rows x (hidden + intermediate) bytes plus factors, per call (V4-Flash T=8192: ~300
-// MB). A choice by token count keeps EP's bits (the same values either way). MEGAMOE_FP4_FOLD_MXFP4=0 (read per call;
-// tests) turns it off (block_m 64 with the converters there).
+// 128 x 128 tiles). Workspace: pool_rows x (hidden + intermediate) bytes plus factors, per call (V4-Flash T=8192 on one
+// rank: ~300 MB); one rank only (the caller: with several, pool_rows holds every rank's tokens). A choice by token count
+// or rank count keeps EP's bits (the same values either way). MEGAMOE_FP4_FOLD_MXFP4=0 (read per call; tests) turns it
+// off (block_m 64 with the converters there).
 // NOTES: H100 A/B (2026-11-26, 2 rounds, per replay / in a graph over the converters' block_m 64;
 // docs/bench/h100-2026-11-26k-ab-fp4-w4a4-upstream-fold.json): V4-Flash T=3072 0.765 / 0.761, 4096 0.759 / 0.747, 8192
 // 0.885 / 0.900; V4-Pro 4096 0.861 / 0.851, 8192 0.876 / 0.876. With the fold at block_m 64 as well: V4-Flash T=2048

@@ -507,6 +507,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   constexpr int kABlk = kRecipe == ActRecipe::kNVFP4 ? 16 : 32;   // token scale block (K)
   constexpr int kABlocks = kBlockK / kABlk;                       // token scale rows per stage
   constexpr int kWWords = kBlockK / kWBlk / 4;                    // weight scale words per row per stage
+  static_assert(!kFP8Mma || kWWords * 4 <= kRowExpBytes, "the row exponents follow the MXFP4 scale bytes of a row");
   static_assert(kBlockM % 16 == 0 && (kBlockM <= 64 || kFoldedOnly), "token block must be 16, 32, 64 or 128");
   static_assert(kCols % 8 == 0 && kCols <= 128, "tile columns");
   static_assert(!kFP8Mma || !kNV, "the FP8-wgmma path is for MXFP4 weights (NVFP4 scales are not powers of two)");

@@ -48,8 +48,10 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   // epilogue.
   const bool folded = fp8_mma && recipe == ActRecipe::kFP8UE8M0Block32 && heuristics::fp4_folded_tokens();
   // MXFP4 tokens on the FP8-wgmma path may be folded upstream (heuristics::fp4_fold_mxfp4_tokens, decided below from
-  // the block), which also opens block_m 128 to them.
-  const bool mx_fold_allowed = fp8_mma && recipe == ActRecipe::kMXFP4 && heuristics::fp4_fold_mxfp4_allowed();
+  // the block), which also opens block_m 128 to them. One rank only: its workspace is sized by pool_rows, which with
+  // several ranks holds every rank's tokens (V4-Flash, 8 ranks of 8,192 tokens: ~2.4 GB per call).
+  const bool mx_fold_allowed =
+      fp8_mma && recipe == ActRecipe::kMXFP4 && l.num_ranks == 1 && heuristics::fp4_fold_mxfp4_allowed();
   const int tail_from = heuristics::fp4_tail_from_rows(nv_acts, recipe == ActRecipe::kFP8UE8M0Block32, fp8_mma, folded);
   const auto cfg = heuristics::choose_fp4_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate,
                                                        act_fp4, tail_from,

@@ -45,6 +45,8 @@ void check_weights(const at::Tensor& w, const at::Tensor& sf, const at::Tensor& 
   MEGAMOE_CHECK_SAME_DEVICE(sf, sf_name, y, "y");
   // The third tensor: none for FP8 (the FP8 op has no argument), NVFP4's per-expert global scales, MXFP4's per-row
   // exponents (each row's largest UE8M0 scale: the FP8-wgmma path folds the row's weights relative to it).
+  TORCH_CHECK_VALUE(format == WeightFormat::kFP8 || global_sf.defined(), global_name,
+                    ": expected the third tensor transform_weights returns, got an undefined tensor");
   if (global_sf.defined()) {
     if (format == WeightFormat::kMXFP4) {
       TORCH_CHECK_TYPE(global_sf.scalar_type() == at::kByte, global_name,
