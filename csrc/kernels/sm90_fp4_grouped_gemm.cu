@@ -178,13 +178,9 @@ __global__ void __launch_bounds__(256) fold_mxfp4_kernel(const uint8_t* src, con
     for (int q = 0; q < 4; ++q) t[q] = __ldcg(src_sf + int64_t(4 * g + q) * l.pool_rows + row), tmax = max(tmax, t[q]);
     uint32_t lo[4][4], hi[4][4];  // [quarter][step]
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const uint4 raw = __ldcg(in + q);
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};  // word s: K 32 q + 8 s .. + 7
-      const uint2 tab = tables[fp4::kFoldHeadroom + min(int(tmax - t[q]), fp4::kNumTokenFoldTables - 1)];
-#pragma unroll
-      for (int s = 0; s < 4; ++s) fp4::e2m1x8_to_e4m3(w[s], tab, lo[q][s], hi[q][s]);
-    }
+    for (int q = 0; q < 4; ++q)
+      fp4::fold_e2m1_quarter(__ldcg(in + q), tables, int(tmax - t[q]),
+                             [&](int s, uint32_t l, uint32_t h) { lo[q][s] = l, hi[q][s] = h; });
     uint4* out = reinterpret_cast<uint4*>(dst + int64_t(row) * k + g * 128);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {

@@ -415,6 +415,22 @@ __device__ __forceinline__ void decode_weights_e4m3(uint32_t (&a8)[4][4], const 
   }
 }
 
+// One 32-K quarter of MXFP4 tokens (16 bytes of E2M1 in checkpoint packing: word s = K 8s .. 8s + 7) folded d binades
+// below its group's largest scale (the fold tables from kFoldHeadroom on); emit(s, lo, hi) takes the E4M3 bytes of K
+// 8s .. + 3 and 8s + 4 .. + 7. Shared by the converters (fold_token_unit) and the upstream fold (launch_fold_mxfp4):
+// the same bits.
+template <typename Emit>
+__device__ __forceinline__ void fold_e2m1_quarter(uint4 raw, const uint2* tables, int d, Emit&& emit) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  const uint2 tab = tables[kFoldHeadroom + min(d, kNumTokenFoldTables - 1)];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    uint32_t lo, hi;
+    e2m1x8_to_e4m3(w[s], tab, lo, hi);
+    emit(s, lo, hi);
+  }
+}
+
 // One token unit of the FP8-wgmma path: token n, 128-K group g, quarter q (32 K) -> folded E4M3 bytes in the
 // wgmma K order (k32 step s: column 4q + i <- K 32q + 8s + i, column 16 + 4q + i <- 32q + 8s + 4 + i) into the
 // 128B-swizzled K-major tile [2 groups][kBlockM rows][128 bytes]. The four lanes q of (n, g) agree on T (the
@@ -445,15 +461,7 @@ __device__ __forceinline__ void fold_token_unit(const uint8_t* raw, const uint8_
   } else {
     static_assert(kRecipe == ActRecipe::kMXFP4, "the FP8-wgmma path takes FP8 or MXFP4 tokens");
     const uint4 raw4 = *reinterpret_cast<const uint4*>(raw + n * 128 + (((4 * g + q) ^ sw) << 4));
-    const uint32_t w[4] = {raw4.x, raw4.y, raw4.z, raw4.w};  // word s: K 32q + 8s .. + 7
-    const uint2 tab = tables[kFoldHeadroom + min(d, kNumTokenFoldTables - 1)];
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      uint32_t lo, hi;
-      e2m1x8_to_e4m3(w[s], tab, lo, hi);
-      store(2 * s, lo);
-      store(2 * s + 1, hi);
-    }
+    fold_e2m1_quarter(raw4, tables, d, [&](int s, uint32_t lo, uint32_t hi) { store(2 * s, lo), store(2 * s + 1, hi); });
   }
   if (q == 0) factors[g * kBlockM + n] = ue8m0_float(tmax);
 }
