@@ -122,9 +122,10 @@ PATCHES = {
     "fp4-no-decode": [
         ("  return (x * ((1u << (6 - 4 * pp)) + (1u << (12 - 4 * pp)))) & 0x81C081C0u;",
          "  return v ^ uint32_t(p);"),
-        ("  lo = ptx::prmt(t.x, t.y, w & 0x7777u) | (ptx::prmt(w, x4, 0x9D8Cu) & 0x80808080u);\n"
-         "  hi = ptx::prmt(t.x, t.y, (w >> 16) & 0x7777u) | (ptx::prmt(w, x4, 0xBFAEu) & 0x80808080u);",
-         "  lo = w ^ t.x, hi = x4 ^ t.y;"),
+        # The weights' E2M1 -> E4M3 (e2m1x8_to_e4m3, sm90_common.cuh since the gather folds MXFP4 tokens with it).
+        ("    e2m1x8_to_e4m3(wa[s], ta, a8[s][0], a8[s][2]);\n    e2m1x8_to_e4m3(wb[s], tb, a8[s][1], a8[s][3]);",
+         "    a8[s][0] = wa[s] ^ ta.x, a8[s][2] = (wa[s] << 4) ^ ta.y;\n"
+         "    a8[s][1] = wb[s] ^ tb.x, a8[s][3] = (wb[s] << 4) ^ tb.y;"),
     ],
     "fp4-no-weight-tma": [
         ("        uint32_t bytes = S::kTileA;", "        uint32_t bytes = 0 * S::kTileA;"),

@@ -37,11 +37,12 @@ def run_poisoned(case, **kwargs):
     return y
 
 
-def case_with_rows(rows, hidden, inter, weight_format, act_format, seed, routing_seed):
+def case_with_rows(rows, hidden, inter, weight_format, act_format, seed, routing_seed, max_tokens=None):
     """A top-1 case whose expert e gets exactly rows[e] tokens, in a random token order (no reference yet: callers
-    may change the case first, then set case.ref = case.reference())."""
+    may change the case first, then set case.ref = case.reference()); a buffer of max_tokens (default: the tokens)."""
     e, t = len(rows), sum(rows)
-    case = make_case(e, hidden, inter, 1, t, weight_format, act_format, device="cuda", seed=seed, with_ref=False)
+    case = make_case(e, hidden, inter, 1, t, weight_format, act_format, device="cuda", seed=seed, with_ref=False,
+                     max_tokens=max_tokens)
     gen = torch.Generator().manual_seed(routing_seed)
     experts = torch.repeat_interleave(torch.arange(e), torch.tensor(rows))[torch.randperm(t, generator=gen)]
     case.topk_idx = experts.view(t, 1).to(device="cuda", dtype=case.topk_idx.dtype)
@@ -278,12 +279,13 @@ def test_mxfp4_fp8_mma_narrow_equals_full_width(act_format, block_m, hidden, int
     assert_narrow_equals_full_width(case, block_m, True, monkeypatch)
 
 
-def block128_case(hidden, inter, act_format, spread, seed, routing_seed):
+def block128_case(hidden, inter, act_format, spread, seed, routing_seed, max_tokens=None):
     """An MXFP4 top-1 case for the block_m 128 equalities: experts of 1-300 rows (every n64 / n96 / n128 width class,
     several 128-row blocks) and one empty; the token channels scaled by 2^(spread / 3 x (channel / 32 % 4)), so that the
     token scales spread within each 128-K group by up to `spread` binades (12: the fold rounds)."""
     rows = [1, 16, 63, 64, 65, 96, 97, 127, 128, 129, 200, 256, 300, 0, 33]
-    case = case_with_rows(rows, hidden, inter, "mxfp4", act_format, seed=seed, routing_seed=routing_seed)
+    case = case_with_rows(rows, hidden, inter, "mxfp4", act_format, seed=seed, routing_seed=routing_seed,
+                          max_tokens=max_tokens)
     if spread:
         chan = torch.arange(hidden, device="cuda") // 32 % 4
         case.x = (case.x.float() * torch.exp2(chan.float() * spread / 3)).to(case.x.dtype)
@@ -318,14 +320,20 @@ def test_mxfp4_block128_equals_block64(hidden, inter, spread, monkeypatch):
 
 @pytest.mark.parametrize("hidden,inter,spread", [(384, 256, 0), (640, 896, 3), (1024, 1024, 12), (256, 2048, 0)])
 def test_mxfp4_w4a4_upstream_fold_equals_converters(hidden, inter, spread, monkeypatch):
-    """MXFP4 w4a4 on the FP8-wgmma path at block_m 128 (heuristics::fp4_fold_mxfp4_tokens): a pass folds the
-    dispatched MXFP4 tokens into E4M3 before L1 and L1's MXFP4 outputs before L2 (launch_fold_mxfp4), and the GEMMs run
-    the folded-token 128 x 128 builds, L1 quantizing its outputs to MXFP4. The folded values are the converters'
-    (fold_token_unit), so the outputs equal the converters' block_m 64 build's (MEGAMOE_FP4_FOLD_MXFP4=0) bitwise, on
-    poisoned GEMM outputs: experts of 1-300 rows and one empty, partial stages, token scales spread within each 128-K
-    group (12: the fold rounds). Without the fold block_m stays at most 64 (the converters need the bf16 ring)."""
-    case = block128_case(hidden, inter, "fp4", spread, seed=901 + hidden + spread, routing_seed=902 + inter)
+    """MXFP4 w4a4 on the FP8-wgmma path (heuristics::fp4_fold_mxfp4_tokens): the gather folds the dispatched MXFP4
+    tokens into E4M3 rows of a workspace, L1 quantizes its outputs to MXFP4 and folds them for L2 in its epilogue
+    (block_m 16 / 32 / 64; at block_m 128, whose tiles hold half of L2's 128-K group, a pass after L1 does:
+    launch_fold_mxfp4), and both GEMMs run the folded-token builds (w4a8's; block_m 128: the 128 x 128 tiles). The
+    folded values are the converters' (fold_e2m1_quarter), so at every block_m the outputs equal the converters' block_m
+    64 build's
+    (MEGAMOE_FP4_FOLD_MXFP4=0) bitwise, on poisoned GEMM outputs: experts of 1-300 rows and one empty, partial stages,
+    token scales spread within each 128-K group (12: the fold rounds). Without the fold block_m stays at most 64 (the
+    converters need the bf16 ring); with it the workspace holds T x top_k rows (the TMA reads past them as zeros),
+    here in a buffer of 4,096 tokens for the 1,575 routed."""
+    case = block128_case(hidden, inter, "fp4", spread, seed=901 + hidden + spread, routing_seed=902 + inter,
+                         max_tokens=4096)
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
+    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "0")
 
     def run(block_m, fold):
         monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", str(block_m))
@@ -335,8 +343,9 @@ def test_mxfp4_w4a4_upstream_fold_equals_converters(hidden, inter, spread, monke
 
     converters = run(64, False)
     assert rel_err(converters, case.ref) <= (TOL if not spread else 5e-2)
-    assert torch.equal(run(64, True), converters)  # no fold below block_m 128
-    assert torch.equal(run(128, True), converters)
+    for block_m in (16, 32, 64, 128):
+        assert torch.equal(run(block_m, True), converters), block_m
+    assert torch.equal(run(16, False), converters)  # the converters' blocks agree as well
     assert torch.equal(run(128, True), converters)  # run to run
 
 

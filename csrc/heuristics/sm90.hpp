@@ -203,24 +203,32 @@ inline bool fp4_folded_tokens() {
   return env == nullptr || env[0] != '0';
 }
 
-// FP8-wgmma path with MXFP4 tokens (w4a4): where the rows take block_m 128 (fp4_block128_for, which the fold opens to
-// them), a pass folds the dispatched tokens into an E4M3 workspace before L1 and another L1's MXFP4 outputs before L2
-// (launch_fold_mxfp4: the converters' fold, so the same bits), and both GEMMs run the folded-token builds (no converters,
-// 128 x 128 tiles). Workspace: pool_rows x (hidden + intermediate) bytes plus factors, per call (V4-Flash T=8192 on one
-// rank: ~300 MB); one rank only (the caller: with several, pool_rows holds every rank's tokens). A choice by token count
-// or rank count keeps EP's bits (the same values either way). MEGAMOE_FP4_FOLD_MXFP4=0 (read per call; tests) turns it
-// off (block_m 64 with the converters there).
-// NOTES: H100 A/B (2026-11-26, 2 rounds, per replay / in a graph over the converters' block_m 64;
-// docs/bench/h100-2026-11-26k-ab-fp4-w4a4-upstream-fold.json): V4-Flash T=3072 0.765 / 0.761, 4096 0.759 / 0.747, 8192
-// 0.885 / 0.900; V4-Pro 4096 0.861 / 0.851, 8192 0.876 / 0.876. With the fold at block_m 64 as well: V4-Flash T=2048
-// 1.002 / 1.001, V4-Pro 3072 0.999 / 0.964 (the passes cost what the converters did): not taken there, for the memory.
+// FP8-wgmma path with MXFP4 tokens (w4a4): the gather folds the dispatched tokens into an E4M3 workspace, L1 quantizes
+// its outputs to MXFP4 and folds them for L2 into the workspace in its epilogue (block_m 128, whose tiles hold half of
+// L2's 128-K group: a pass after L1, launch_fold_mxfp4), all through the converters' fold (fold_e2m1_quarter: the same
+// bits), and both GEMMs run the folded-token builds (w4a8's; no converters; block_m 128 opened to them:
+// fp4_block128_for). Every block_m but where the last round splits K or an expert's last block takes tail rows (those
+// builds are not instantiated with MXFP4 output). Workspace per call: the rows one rank routes (T x top_k) x (hidden +
+// intermediate) bytes plus factors (V4-Flash T=128: ~5 MB; 8192: ~300 MB); with several ranks pool_rows, every
+// rank's tokens, so there only while that stays under kFp4FoldMxfp4MaxBytes (the caller). A choice by token or rank
+// count keeps EP's bits (the same values either way). MEGAMOE_FP4_FOLD_MXFP4=0 (read per call; tests) turns it off.
+// NOTES: H100 A/Bs (2026-11-26, 2 rounds each, time per replay / in a graph). At block_m 128 with two fold passes,
+// over the converters' block_m 64 (docs/bench/h100-2026-11-26k-ab-fp4-w4a4-upstream-fold.json): V4-Flash T=3072 0.765 /
+// 0.761, 4096 0.759 / 0.747, 8192 0.885 / 0.900; V4-Pro 4096 0.861 / 0.851, 8192 0.876 / 0.876. The passes at every
+// block_m (-26l-ab-fp4-w4a4-fold-passes-all-blocks.json): T = 16-1024 0.90-0.99, but V4-Flash T=1 1.023 / 1.028 (two
+// launches). With the gather's and L1's epilogue folds, over the block_m 128-only build
+// (-26l-ab-fp4-w4a4-gather-epilogue-fold.json): V4-Flash T=1 0.915 / 0.915, 16 0.877 / 0.875, 128 0.868 / 0.870, 512
+// 0.995 / 0.944, 2048 0.924 / 0.981; V4-Pro 16 0.931 / 0.938, 128 0.923 / 0.926, 512-4096 0.96-0.98; T=1 on V4-Pro
+// splits K (no fold): 1.008 / 1.005. MXFP4 w4a4 then runs within 1 % of w4a8 at T = 1-128 in the same run.
 inline bool fp4_fold_mxfp4_allowed() {
   const char* env = std::getenv("MEGAMOE_FP4_FOLD_MXFP4");
   return env == nullptr || env[0] != '0';
 }
-inline bool fp4_fold_mxfp4_tokens(bool allowed, int block_m, int split_rounds, int tail_rows) {
-  return allowed && block_m == 128 && split_rounds == 0 && tail_rows == 0;
+inline bool fp4_fold_mxfp4_tokens(bool allowed, int split_rounds, int tail_rows) {
+  return allowed && split_rounds == 0 && tail_rows == 0;
 }
+// With several ranks the fold's workspace holds pool_rows (every rank's tokens): taken up to this size.
+constexpr int64_t kFp4FoldMxfp4MaxBytes = int64_t(256) << 20;
 
 // FP4: each tile's wgmmas are as wide as its rows rounded up: BF16 path to 8, at least 16 (m64n16, n24 ... n64;
 // block_m 16: n8 for up to 8 rows), FP8-wgmma path as below; not the whole block (sm90_fp4_grouped_gemm.cuh, live_cols).

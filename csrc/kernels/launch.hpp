@@ -24,10 +24,13 @@ void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int ran
                     int* recv_stats, cudaStream_t stream, int tail_rows = 0);
 
 // Gather: copy each pool row's token (packed row, scales K-block-major, NVFP4 per-token global scale)
-// into the dispatch area, in the layout of `recipe`. fold (FP8 tokens with UE8M0 scales per 32, for the FP8-wgmma FP4
-// path): each 128-K group folded to one float factor (fold_fp8_group), rows in the kernel's E4M3 tile order.
+// into the dispatch area, in the layout of `recipe`. fold (tokens with UE8M0 scales per 32 for the FP8-wgmma FP4 path):
+// each 128-K group folded to one float factor, rows in the kernel's E4M3 tile order; FP8 tokens (fold_fp8_group) in
+// place, MXFP4 tokens (fold_e2m1_quarter) into E4M3 rows [pool rows, hidden] at fold_dst, factors [hidden / 128,
+// pool_rows] at fold_factors.
 void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, ActRecipe recipe, int num_sms,
-                   cudaStream_t stream, int* zero_words = nullptr, int num_zero_words = 0, bool fold = false);
+                   cudaStream_t stream, int* zero_words = nullptr, int num_zero_words = 0, bool fold = false,
+                   uint8_t* fold_dst = nullptr, float* fold_factors = nullptr);
 
 // Combine: (EP: barrier 1, then) y[t] = sum over valid slots of combine[t, k] (float32, slot order) -> bf16.
 void launch_combine(void* y, uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens,
@@ -89,9 +92,12 @@ struct Fp4GroupedGemmArgs {
   // acts_sf holds float factors [k / 128, pool_rows] and the rows are in the kernel's E4M3 tile order.
   bool folded_tokens = false;
   bool fold_output = false;  // L1: write L2's input (pool) folded the same way
-  // L1 with MXFP4 tokens folded upstream (launch_fold_mxfp4; recipe kFP8UE8M0Block32, folded_tokens): the epilogue
-  // quantizes to MXFP4 (the w4a4 pool), heuristics::fp4_fold_mxfp4_tokens.
+  // L1 with MXFP4 tokens folded upstream (launch_gather's fold; recipe kFP8UE8M0Block32,
+  // folded_tokens): the epilogue quantizes to MXFP4 (the w4a4 semantics), heuristics::fp4_fold_mxfp4_tokens.
   bool out_fp4 = false;
+  // out_fp4 with fold_output (256-row tiles): L2's input leaves folded into these (Params::fold_out) instead of the pool.
+  uint8_t* fold_out = nullptr;
+  float* fold_out_factors = nullptr;
 };
 void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, const layout::BufferLayout& layout,
                              int block_m, int num_sms, cudaStream_t stream);

@@ -280,6 +280,55 @@ __device__ __forceinline__ uint32_t fold_fp8_group(const uint4 (&in)[8], uint32_
   return tmax;
 }
 
+// ------------------------------------------------------------------------------------------------
+// E2M1 -> E4M3 folds (the FP8-wgmma FP4 path: its weight decode and token converters, the gather's and L1's folds)
+// ------------------------------------------------------------------------------------------------
+// The fold tables: table i holds the E2M1 magnitudes x 2^(kFoldHeadroom - i). E2M1 x 2^d is exact in E4M3 for -8 <= d
+// <= 6 (0.5 x 2^-8 is its smallest subnormal, 6 x 2^6 = 384 <= 448), so weights folded relative to their row's largest
+// scale times 2^-6 (table row_exp - e_j) are exact while the row's scales span at most 14 binades. Tokens fold
+// relative to their group's largest scale (tables from kFoldHeadroom on: 2^-d). Every magnitude rounds to 0 from
+// 2^-13 on (the last tables).
+constexpr int kFoldHeadroom = 6;
+constexpr int kNumFoldTables = kFoldHeadroom + 18;
+constexpr int kNumTokenFoldTables = kNumFoldTables - kFoldHeadroom;  // token shifts 0..17
+
+// E4M3 bytes of the 8 E2M1 magnitudes x 2^-d (d >= -kFoldHeadroom), as the two PRMT sources (magnitudes 0-3, 4-7).
+__device__ __forceinline__ uint2 make_fold_table(int d) {
+  constexpr float kMagnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float f = __uint_as_float(uint32_t(127 - d) << 23);  // 2^-d, exact
+  uint32_t w[2] = {0, 0};
+#pragma unroll
+  for (int m = 0; m < 8; ++m)
+    w[m / 4] |= uint32_t(__nv_cvt_float_to_fp8(kMagnitudes[m] * f, __NV_SATFINITE, __NV_E4M3)) << (8 * (m % 4));
+  return make_uint2(w[0], w[1]);
+}
+
+// 8 E2M1 codes in checkpoint packing (nibble i = K element i, sign in its bit 3) -> E4M3 bytes of elements
+// 0-3 (lo) and 4-7 (hi), magnitudes through the table t; the signs by PRMT's sign-replicate mode (selector
+// nibble 8 | byte: 0xFF where that byte's bit 7 is set) over {w, w << 4}, whose bytes carry the odd elements'
+// signs in bit 7 and the even elements' in bit 7 after the shift.
+__device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t w, uint2 t, uint32_t& lo, uint32_t& hi) {
+  const uint32_t x4 = w << 4;
+  lo = ptx::prmt(t.x, t.y, w & 0x7777u) | (ptx::prmt(w, x4, 0x9D8Cu) & 0x80808080u);
+  hi = ptx::prmt(t.x, t.y, (w >> 16) & 0x7777u) | (ptx::prmt(w, x4, 0xBFAEu) & 0x80808080u);
+}
+
+// One 32-K quarter of MXFP4 tokens (16 bytes of E2M1 in checkpoint packing: word s = K 8s .. 8s + 7) folded d binades
+// below its group's largest scale (the fold tables from kFoldHeadroom on); emit(s, lo, hi) takes the E4M3 bytes of K
+// 8s .. + 3 and 8s + 4 .. + 7. Shared by the converters (fold_token_unit) and the upstream fold (launch_fold_mxfp4):
+// the same bits.
+template <typename Emit>
+__device__ __forceinline__ void fold_e2m1_quarter(uint4 raw, const uint2* tables, int d, Emit&& emit) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  const uint2 tab = tables[kFoldHeadroom + min(d, kNumTokenFoldTables - 1)];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    uint32_t lo, hi;
+    e2m1x8_to_e4m3(w[s], tab, lo, hi);
+    emit(s, lo, hi);
+  }
+}
+
 // NOTES: NaN-propagating max / min (PTX max.NaN / min.NaN) for every amax and clamp on a quantization
 // path. fmaxf / fminf return the other operand for a NaN (IEEE maxNum): a NaN activation then vanished into
 // a finite scale or a clamp bound and the output came out finite, while the reference (torch amax / clamp)

@@ -33,6 +33,10 @@ void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, co
   p.split_counters = args.split_counters;
   p.folded_tokens = args.folded_tokens;
   p.fold_output = args.fold_output;
+  p.fold_out = args.fold_out;
+  p.fold_out_factors = args.fold_out_factors;
+  if (args.out_fp4 && args.fold_output && (args.fold_out == nullptr || args.fold_out_factors == nullptr))
+    throw std::runtime_error("megamoe: L1's folded MXFP4 output needs its workspace (fold_out, fold_out_factors)");
   if ((args.folded_tokens || args.fold_output) && (!args.fp8_mma || args.recipe != ActRecipe::kFP8UE8M0Block32))
     throw std::runtime_error("megamoe: folded tokens are for the FP8-wgmma FP4 path with FP8 tokens");
   if (args.fold_output && !args.is_l1) throw std::runtime_error("megamoe: fold_output is for L1 (its epilogue)");
@@ -43,6 +47,7 @@ void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, co
     throw std::runtime_error("megamoe: the FP8-wgmma FP4 path needs the weights' row exponents (transform_weights)");
   if (args.is_l1) {
     if (nv) fp4::launch_l1_nvfp4(args, p, block_m, num_sms, stream);
+    else if (args.fp8_mma && args.out_fp4) fp4::launch_l1_mxfp4_fold(args, p, block_m, num_sms, stream);
     else if (args.fp8_mma) fp4::launch_l1_mxfp4_fp8mma(args, p, block_m, num_sms, stream);
     else fp4::launch_l1_mxfp4(args, p, block_m, num_sms, stream);
   } else {
@@ -162,8 +167,8 @@ __global__ void __launch_bounds__(256) pool_fold_kernel(uint8_t* buffer, layout:
 // writes into the kernel's tile (before its swizzle, which the TMA applies).
 __global__ void __launch_bounds__(256) fold_mxfp4_kernel(const uint8_t* src, const uint8_t* src_sf, int64_t k, uint8_t* dst,
                                                          float* factors, const uint8_t* buffer, layout::BufferLayout l) {
-  __shared__ uint2 tables[fp4::kNumFoldTables];
-  if (threadIdx.x < fp4::kNumFoldTables) tables[threadIdx.x] = fp4::make_fold_table(threadIdx.x - fp4::kFoldHeadroom);
+  __shared__ uint2 tables[kNumFoldTables];
+  if (threadIdx.x < kNumFoldTables) tables[threadIdx.x] = make_fold_table(threadIdx.x - kFoldHeadroom);
   __syncthreads();
   ptx::grid_dependency_wait();  // the gather's rows (L1) or L1's outputs (L2)
   ptx::launch_dependents();
@@ -179,7 +184,7 @@ __global__ void __launch_bounds__(256) fold_mxfp4_kernel(const uint8_t* src, con
     uint32_t lo[4][4], hi[4][4];  // [quarter][step]
 #pragma unroll
     for (int q = 0; q < 4; ++q)
-      fp4::fold_e2m1_quarter(__ldcg(in + q), tables, int(tmax - t[q]),
+      fold_e2m1_quarter(__ldcg(in + q), tables, int(tmax - t[q]),
                              [&](int s, uint32_t l, uint32_t h) { lo[q][s] = l, hi[q][s] = h; });
     uint4* out = reinterpret_cast<uint4*>(dst + int64_t(row) * k + g * 128);
 #pragma unroll

@@ -45,7 +45,9 @@
 // (exact while E - e_j <= 14, rounded to nearest even past that: kFoldHeadroom), the converters fold the tokens into an
 // E4M3 tile relative to each group's largest scale (x x 2^-(T - t_j), T the token's largest scale of the 128-K group;
 // FP8 tokens arrive folded instead, L1's by the gather and L2's by L1's epilogue (at block_m 128 by launch_pool_fold),
-// heuristics::fp4_folded_tokens, and the wgmmas read the stage's token tile as the TMA left it), four k32 wgmmas per
+// heuristics::fp4_folded_tokens, and so do MXFP4 tokens into a workspace (the converters' fold; L2's after a block_m
+// 128 L1 by launch_fold_mxfp4), heuristics::fp4_fold_mxfp4_tokens: the wgmmas read the stage's token tile as the TMA
+// left it), four k32 wgmmas per
 // group (as wide as the tile's rows: 16 / 32 / 48 / 64; block_m 128 also 96 / 128) go into a partial accumulator, and
 // the promotion adds it times 2^(T - 127) (one FFMA per accumulator); the rows' 2^(E - 133) multiply the accumulators
 // once, after the tile's K. Where a row's scales span at most 8 binades this gives the bits of the fold relative to
@@ -146,6 +148,11 @@ struct Params {
   // FP8-wgmma path: [E * n] each weight row's largest UE8M0 scale over the whole K (transform_weights), the exponent its
   // weights are folded relative to. A unit's first stage carries its rows' bytes in the scale tile (kRowExpBytes).
   const uint8_t* weights_row_exp;
+  // L1 reading MXFP4 tokens folded upstream (kOutFP4) with fold_output: L2's input, folded as the gather folds L1's,
+  // E4M3 rows [pool rows, n / 2] and float factors [n / 256, pool_rows] (the caller's workspace; the E2M1 pool is not
+  // written).
+  uint8_t* fold_out;
+  float* fold_out_factors;
 };
 
 // Split K of the last round: when the last of R >= 2 rounds of tiles holds L <= round / 2 tiles (few tokens: V4-Pro
@@ -361,36 +368,6 @@ __device__ __forceinline__ void fence_fragment(uint32_t (&a)[8][4]) {
 // ------------------------------------------------------------------------------------------------
 // FP8-wgmma path (file comment)
 // ------------------------------------------------------------------------------------------------
-// The fold tables: table i holds the E2M1 magnitudes x 2^(kFoldHeadroom - i). E2M1 x 2^d is exact in E4M3 for -8 <= d
-// <= 6 (0.5 x 2^-8 is its smallest subnormal, 6 x 2^6 = 384 <= 448), so weights folded relative to their row's largest
-// scale times 2^-6 (table row_exp - e_j) are exact while the row's scales span at most 14 binades. Tokens fold
-// relative to their group's largest scale (tables from kFoldHeadroom on: 2^-d). Every magnitude rounds to 0 from
-// 2^-13 on (the last tables).
-constexpr int kFoldHeadroom = 6;
-constexpr int kNumFoldTables = kFoldHeadroom + 18;
-constexpr int kNumTokenFoldTables = kNumFoldTables - kFoldHeadroom;  // token shifts 0..17
-
-// E4M3 bytes of the 8 E2M1 magnitudes x 2^-d (d >= -kFoldHeadroom), as the two PRMT sources (magnitudes 0-3, 4-7).
-__device__ __forceinline__ uint2 make_fold_table(int d) {
-  constexpr float kMagnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-  const float f = __uint_as_float(uint32_t(127 - d) << 23);  // 2^-d, exact
-  uint32_t w[2] = {0, 0};
-#pragma unroll
-  for (int m = 0; m < 8; ++m)
-    w[m / 4] |= uint32_t(__nv_cvt_float_to_fp8(kMagnitudes[m] * f, __NV_SATFINITE, __NV_E4M3)) << (8 * (m % 4));
-  return make_uint2(w[0], w[1]);
-}
-
-// 8 E2M1 codes in checkpoint packing (nibble i = K element i, sign in its bit 3) -> E4M3 bytes of elements
-// 0-3 (lo) and 4-7 (hi), magnitudes through the table t; the signs by PRMT's sign-replicate mode (selector
-// nibble 8 | byte: 0xFF where that byte's bit 7 is set) over {w, w << 4}, whose bytes carry the odd elements'
-// signs in bit 7 and the even elements' in bit 7 after the shift.
-__device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t w, uint2 t, uint32_t& lo, uint32_t& hi) {
-  const uint32_t x4 = w << 4;
-  lo = ptx::prmt(t.x, t.y, w & 0x7777u) | (ptx::prmt(w, x4, 0x9D8Cu) & 0x80808080u);
-  hi = ptx::prmt(t.x, t.y, (w >> 16) & 0x7777u) | (ptx::prmt(w, x4, 0xBFAEu) & 0x80808080u);
-}
-
 // Decodes this thread's part of one (128-K group, 64-row slice) for the FP8-wgmma path: rows r and r + 8 of the slice,
 // 32 K each (sub-block q of the group), into the register A fragments of the group's 4 k32 steps, each weight folded
 // relative to its row's largest scale over the whole K (ra / rb: Params::weights_row_exp; fold table by the
@@ -412,22 +389,6 @@ __device__ __forceinline__ void decode_weights_e4m3(uint32_t (&a8)[4][4], const 
   for (int s = 0; s < 4; ++s) {
     e2m1x8_to_e4m3(wa[s], ta, a8[s][0], a8[s][2]);
     e2m1x8_to_e4m3(wb[s], tb, a8[s][1], a8[s][3]);
-  }
-}
-
-// One 32-K quarter of MXFP4 tokens (16 bytes of E2M1 in checkpoint packing: word s = K 8s .. 8s + 7) folded d binades
-// below its group's largest scale (the fold tables from kFoldHeadroom on); emit(s, lo, hi) takes the E4M3 bytes of K
-// 8s .. + 3 and 8s + 4 .. + 7. Shared by the converters (fold_token_unit) and the upstream fold (launch_fold_mxfp4):
-// the same bits.
-template <typename Emit>
-__device__ __forceinline__ void fold_e2m1_quarter(uint4 raw, const uint2* tables, int d, Emit&& emit) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-  const uint2 tab = tables[kFoldHeadroom + min(d, kNumTokenFoldTables - 1)];
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    uint32_t lo, hi;
-    e2m1x8_to_e4m3(w[s], tab, lo, hi);
-    emit(s, lo, hi);
   }
 }
 
@@ -476,9 +437,9 @@ static __global__ void fp4_trace_print_kernel(int gemm, int num_ctas) {
 }
 #endif
 
-// kRecipe: the tokens' recipe as the kernel reads them, and L1's output recipe; kOutFP4 (L1 on the FP8-wgmma path,
-// block_m 128): MXFP4 tokens folded upstream (launch_fold_mxfp4: read as folded FP8 tokens, kRecipe kFP8UE8M0Block32)
-// whose L1 output is MXFP4 again (the w4a4 semantics; heuristics::fp4_fold_mxfp4_tokens).
+// kRecipe: the tokens' recipe as the kernel reads them, and L1's output recipe; kOutFP4 (L1 on the FP8-wgmma path):
+// MXFP4 tokens folded upstream (the gather's fold: read as folded FP8 tokens, kRecipe kFP8UE8M0Block32) whose L1 output
+// is MXFP4 again (the w4a4 semantics; heuristics::fp4_fold_mxfp4_tokens), folded for L2 by 256-row tiles' epilogues.
 template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe, bool kFP8Mma, bool kSplitK,
           bool kWideTail, bool kOutFP4 = false>
 __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
@@ -1396,7 +1357,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         // FP8-wgmma path, FP8 tokens: L2's input leaves folded (Params::fold_output), as the gather folds L1's. (Only
         // in `if constexpr (kCanFoldOut)` blocks: the other builds' code stays as it was, register for register.)
         // (A 128-row tile writes 64 outputs, half of L2's 128-K group: block_m 128 leaves the fold to launch_pool_fold.)
-        constexpr bool kCanFoldOut = kFP8Mma && kOut == ActRecipe::kFP8UE8M0Block32 && kTileN == 256;
+        // kOutFP4 (MXFP4 tokens folded upstream) likewise: its MXFP4 outputs leave folded into the fold workspace.
+        constexpr bool kCanFoldOut = kFP8Mma && (kOut == ActRecipe::kFP8UE8M0Block32 || kOutFP4) && kTileN == 256;
         constexpr int kOutBlocks = kTileN / 64;  // this tile's 32-output scale blocks (its kTileN / 2 outputs)
 #pragma unroll
         for (int sl = 0; sl < kOwnGroups; ++sl)
@@ -1424,7 +1386,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
                   ue8m0_bits(scale);
           };
           if constexpr (kCanFoldOut) {
-            if (p.fold_output) scale_bits[col * 4 + bl] = ue8m0_bits(scale);
+            if (kOutFP4 || p.fold_output) scale_bits[col * 4 + bl] = ue8m0_bits(scale);
             else store_scale();
           } else {
             store_scale();
@@ -1478,6 +1440,40 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             }
           }
         };
+        // MXFP4 outputs: the 8 codes of part `part` (outputs 8 part .. + 7) packed, low nibble first (checkpoint packing).
+        auto packed_codes = [&](int col, int part) {
+          const uint2 codes = reinterpret_cast<const uint2*>(out_tile)[col * 16 + staged_chunk(col, part / 2) * 2 + part % 2];
+          uint32_t packed = 0;
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            packed |= ((codes.x >> (8 * b)) & 0xF) << (4 * b);
+            packed |= ((codes.y >> (8 * b)) & 0xF) << (16 + 4 * b);
+          }
+          return packed;
+        };
+        // kOutFP4's folded copy-out (the converters' fold, fold_e2m1_quarter: the same bits as launch_fold_mxfp4), one
+        // (token, 32-output quarter q) per thread: its 16 packed bytes folded by T - t_q into word q of the 8 chunks of
+        // L2's E4M3 row (Params::fold_out), the factor 2^(T - 127) into Params::fold_out_factors [inter / 128,
+        // pool_rows].
+        auto copy_out_folded_fp4 = [&] {
+          for (int c = ctid; c < kCols * 4; c += kNumConsumerThreads) {
+            const int col = c / 4, qq = c % 4;
+            if (col < t.rows) {
+              const uint32_t scales4 = *reinterpret_cast<const uint32_t*>(scale_bits + col * 4);
+              uint32_t tmax = 0;
+#pragma unroll
+              for (int b = 0; b < 4; ++b) tmax = max(tmax, (scales4 >> (8 * b)) & 0xFF);
+              const uint32_t tq = (scales4 >> (8 * qq)) & 0xFF;
+              const uint4 raw = make_uint4(packed_codes(col, 4 * qq), packed_codes(col, 4 * qq + 1),
+                                           packed_codes(col, 4 * qq + 2), packed_codes(col, 4 * qq + 3));
+              uint32_t* row = reinterpret_cast<uint32_t*>(p.fold_out + int64_t(t.row0 + col) * inter + t.n_block * 128);
+              fold_e2m1_quarter(raw, fold_tables, static_cast<int>(tmax - tq), [&](int st, uint32_t lo, uint32_t hi) {
+                row[(2 * st) * 4 + qq] = lo, row[(2 * st + 1) * 4 + qq] = hi;
+              });
+              if (qq == 0) p.fold_out_factors[int64_t(t.n_block) * l.pool_rows + t.row0 + col] = ue8m0_float(tmax);
+            }
+          }
+        };
         auto copy_out = [&] {
           if constexpr (kOut == ActRecipe::kFP8UE8M0Block32) {
             // Coalesced copy-out: kParts x 16 bytes per token row (8; block_m 128: 4).
@@ -1495,21 +1491,16 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             for (int c = ctid; c < kCols * kPackParts; c += kNumConsumerThreads) {
               const int col = c / kPackParts, part = c % kPackParts;
               if (col < t.rows) {
-                const uint2 codes =
-                    reinterpret_cast<const uint2*>(out_tile)[col * 16 + staged_chunk(col, part / 2) * 2 + part % 2];
-                uint32_t packed = 0;
-#pragma unroll
-                for (int b = 0; b < 4; ++b) {
-                  packed |= ((codes.x >> (8 * b)) & 0xF) << (4 * b);
-                  packed |= ((codes.y >> (8 * b)) & 0xF) << (16 + 4 * b);
-                }
+                const uint32_t packed = packed_codes(col, part);
                 *reinterpret_cast<uint32_t*>(p.buffer + l.pool_offset + int64_t(t.row0 + col) * (inter / 2) +
                                              t.n_block * (kTileN / 4) + part * 4) = packed;
               }
             }
           }
         };
-        if constexpr (kCanFoldOut) {
+        if constexpr (kCanFoldOut && kOutFP4) {
+          copy_out_folded_fp4();  // launch_l1_mxfp4_fold: fold_output at every block_m with 256-row tiles
+        } else if constexpr (kCanFoldOut) {
           if (p.fold_output) copy_out_folded();
           else copy_out();
         } else {
@@ -1616,19 +1607,8 @@ void launch_layer(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int
         break;                                                                                        \
     }                                                                                                 \
     break;
-  // MXFP4 tokens folded upstream into L1 (launch_fold_mxfp4), MXFP4 out: block_m 128 (heuristics::
-  // fp4_fold_mxfp4_tokens; the converters' builds below elsewhere).
-  if (a.out_fp4) {
-    if constexpr (kIsL1 && kFP8Mma && !kNV) {
-      if (block_m == 128 && a.recipe == ActRecipe::kFP8UE8M0Block32 && p.folded_tokens && !p.fold_output &&
-          p.split_round == 0 && a.tail_rows == 0)
-        return launch_config<128, true, false, ActRecipe::kFP8UE8M0Block32, true, false, false, true>(a, p, num_sms,
-                                                                                                       stream);
-    }
-    throw std::runtime_error("megamoe: MXFP4 output from upstream-folded tokens needs L1 on the FP8-wgmma path, block_m "
-                             "128, folded tokens, no fold in L1's epilogue, no split K and no tail rows; got block_m " +
-                             std::to_string(block_m));
-  }
+  if (a.out_fp4)  // its own translation unit (sm90_fp4_grouped_gemm_l1_mxfp4_fold.cu)
+    throw std::runtime_error("megamoe: MXFP4 output from upstream-folded tokens is launched by launch_l1_mxfp4_fold");
   switch (block_m) {
     MEGAMOE_FP4_LAUNCH(16)
     MEGAMOE_FP4_LAUNCH(32)

@@ -237,16 +237,24 @@ constexpr int kSfPerLane = 4;  // scale elements a lane loads with its row (FP8:
 // One warp per pool row: the token's packed row (16 bytes a lane), its scales (K-block-major:
 // `sf_elems` elements of `sf_elem_bytes` each), its top-k weight and, for NVFP4 activations, its global
 // scale, read from the buffer of the rank that owns the token (NVLink loads for a peer).
-// fold (FP8 tokens for the FP8-wgmma FP4 path): each 128-K group is folded to one scale as it is copied
-// (fold_fp8_group: E4M3 values in the kernel's tile order, then float factors [k / 128, pool_rows] in place of the
-// UE8M0 bytes), so that the L1 GEMM multiplies the rows as they land, with no conversion of its own.
-// The folding build holds a group's 32 words in and out per lane: 2 blocks per SM (128 registers), not 4.
+// kFold (tokens for the FP8-wgmma FP4 path): each 128-K group is folded to one scale as it is copied, E4M3 values
+// in the kernel's tile order, then float factors [k / 128, pool_rows], so that the L1 GEMM multiplies the rows as they
+// land, with no conversion of its own. FP8 tokens (kFoldFP8: fold_fp8_group) in place of the rows and their UE8M0
+// bytes; MXFP4 tokens (kFoldMXFP4: fold_e2m1_quarter, the converters' fold) into E4M3 rows of `hidden` bytes at
+// fold_dst and factors at fold_factors (the packed rows and their scales are not copied).
+// The folding builds hold a group's words in and out per lane: 2 blocks per SM (128 registers), not 4.
 constexpr int kGatherThreads = 256;
-template <bool kFold>
-__global__ void __launch_bounds__(kGatherThreads, kFold ? 2 : 4)
+enum GatherFold : int { kGatherCopy = 0, kFoldFP8 = 1, kFoldMXFP4 = 2 };
+template <int kFold>
+__global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
     gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elems, int sf_elem_bytes, bool has_global_sf,
-                  int* zero_words, int num_zero_words) {
-  constexpr bool fold = kFold;
+                  int* zero_words, int num_zero_words, uint8_t* fold_dst, float* fold_factors) {
+  constexpr bool fold = kFold != kGatherCopy;
+  __shared__ uint2 tables[kFold == kFoldMXFP4 ? kNumFoldTables : 1];
+  if constexpr (kFold == kFoldMXFP4) {
+    if (threadIdx.x < kNumFoldTables) tables[threadIdx.x] = make_fold_table(threadIdx.x - kFoldHeadroom);
+    __syncthreads();
+  }
   PhaseStamps trace;  // entry, after the dependency wait, end (diagnostic builds only)
   trace.stamp();
   {  // hints for this block's first lines (see routing_kernel), while the routing kernel runs
@@ -294,7 +302,7 @@ __global__ void __launch_bounds__(kGatherThreads, kFold ? 2 : 4)
       weight = __ldcg(reinterpret_cast<const float*>(peer + l.topk_weights_offset) + slot);
       if (has_global_sf) global_sf = __ldcg(reinterpret_cast<const float*>(peer + l.x_global_sf_offset) + token);
     }
-    if constexpr (fold) {
+    if constexpr (kFold == kFoldFP8) {
       // A lane per 128-K group: its 8 chunks and 4 scale bytes in, the folded chunks and one factor out.
       for (int g = lane; g < chunks / 8; g += 32) {
         uint4 in[8], out[8];
@@ -304,6 +312,29 @@ __global__ void __launch_bounds__(kGatherThreads, kFold ? 2 : 4)
 #pragma unroll
         for (int c = 0; c < 8; ++c) to[8 * g + c] = out[c];
         reinterpret_cast<float*>(dsf)[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
+      }
+    } else if constexpr (kFold == kFoldMXFP4) {
+      // A lane per 128-K group: its 4 chunks (one per 32-K quarter) and 4 scale bytes in, 8 folded chunks (chunk 2s /
+      // 2s + 1 takes quarter q's E4M3 words of K 8s .. + 3 / 8s + 4 .. + 7 as its word q) and one factor out.
+      uint4* folded = reinterpret_cast<uint4*>(fold_dst + int64_t(row) * l.hidden);
+      for (int g = lane; g < chunks / 4; g += 32) {
+        uint4 in[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) in[q] = __ldcg(from + 4 * g + q);
+        const uint32_t scales4 = __ldcg(reinterpret_cast<const uint32_t*>(sf) + g);
+        uint32_t t[4], tmax = 0;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) t[q] = (scales4 >> (8 * q)) & 0xFF, tmax = max(tmax, t[q]);
+        uint32_t lo[4][4], hi[4][4];  // [quarter][step]
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          fold_e2m1_quarter(in[q], tables, int(tmax - t[q]), [&](int s, uint32_t a, uint32_t b) { lo[q][s] = a, hi[q][s] = b; });
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          folded[8 * g + 2 * s] = make_uint4(lo[0][s], lo[1][s], lo[2][s], lo[3][s]);
+          folded[8 * g + 2 * s + 1] = make_uint4(hi[0][s], hi[1][s], hi[2][s], hi[3][s]);
+        }
+        fold_factors[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
       }
     } else {
       constexpr int kMaxChunksPerLane = 8;  // hidden <= 8 * 32 * 16 bytes = 4096 FP8 per pass
@@ -438,19 +469,26 @@ void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int ran
 }
 
 void launch_gather(uint8_t* buffer, const layout::BufferLayout& layout, ActRecipe recipe, int num_sms,
-                   cudaStream_t stream, int* zero_words, int num_zero_words, bool fold) {
-  if (fold && (recipe != ActRecipe::kFP8UE8M0Block32 || layout.hidden % 128 != 0))
-    throw std::runtime_error("megamoe: the gather folds FP8 tokens with UE8M0 scales per 32 only");
+                   cudaStream_t stream, int* zero_words, int num_zero_words, bool fold, uint8_t* fold_dst,
+                   float* fold_factors) {
+  if (fold && ((recipe != ActRecipe::kFP8UE8M0Block32 && recipe != ActRecipe::kMXFP4) || layout.hidden % 128 != 0))
+    throw std::runtime_error("megamoe: the gather folds FP8 or MXFP4 tokens with UE8M0 scales per 32 only");
+  if (fold && recipe == ActRecipe::kMXFP4 && (fold_dst == nullptr || fold_factors == nullptr))
+    throw std::runtime_error("megamoe: the gather's MXFP4 fold needs its destination rows and factors");
   // Scale elements per token row of `hidden`, by recipe (docs/decisions.md, "Activation recipes").
   const int h = static_cast<int>(layout.hidden);
   const int sf_elem_bytes = recipe == ActRecipe::kFP8F32Block128 ? 4 : 1;
   const int sf_elems = recipe == ActRecipe::kFP8F32Block128 ? h / 128 : recipe == ActRecipe::kNVFP4 ? h / 16 : h / 32;
-  if (fold)
-    launch_pdl(gather_kernel<true>, dim3(num_sms * 2), dim3(kGatherThreads), 0, stream, buffer, layout, sf_elems,
-               sf_elem_bytes, false, zero_words, num_zero_words);
+  if (fold && recipe == ActRecipe::kMXFP4)
+    launch_pdl(gather_kernel<kFoldMXFP4>, dim3(num_sms * 2), dim3(kGatherThreads), 0, stream, buffer, layout,
+               sf_elems, sf_elem_bytes, false, zero_words, num_zero_words, fold_dst, fold_factors);
+  else if (fold)
+    launch_pdl(gather_kernel<kFoldFP8>, dim3(num_sms * 2), dim3(kGatherThreads), 0, stream, buffer, layout, sf_elems,
+               sf_elem_bytes, false, zero_words, num_zero_words, fold_dst, fold_factors);
   else
-    launch_pdl(gather_kernel<false>, dim3(num_sms * 4), dim3(kGatherThreads), 0, stream, buffer, layout, sf_elems,
-               sf_elem_bytes, recipe == ActRecipe::kNVFP4, zero_words, num_zero_words);
+    launch_pdl(gather_kernel<kGatherCopy>, dim3(num_sms * 4), dim3(kGatherThreads), 0, stream, buffer, layout,
+               sf_elems, sf_elem_bytes, recipe == ActRecipe::kNVFP4, zero_words, num_zero_words, fold_dst,
+               fold_factors);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

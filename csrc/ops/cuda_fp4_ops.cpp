@@ -47,18 +47,24 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   // The FP8-wgmma path's FP8 tokens arrive folded (heuristics::fp4_folded_tokens): L1's by the gather, L2's by L1's
   // epilogue.
   const bool folded = fp8_mma && recipe == ActRecipe::kFP8UE8M0Block32 && heuristics::fp4_folded_tokens();
-  // MXFP4 tokens on the FP8-wgmma path may be folded upstream (heuristics::fp4_fold_mxfp4_tokens, decided below from
-  // the block), which also opens block_m 128 to them. One rank only: its workspace is sized by pool_rows, which with
-  // several ranks holds every rank's tokens (V4-Flash, 8 ranks of 8,192 tokens: ~2.4 GB per call).
-  const bool mx_fold_allowed =
-      fp8_mma && recipe == ActRecipe::kMXFP4 && l.num_ranks == 1 && heuristics::fp4_fold_mxfp4_allowed();
+  // MXFP4 tokens on the FP8-wgmma path are folded upstream (heuristics::fp4_fold_mxfp4_tokens, decided below from the
+  // split and tail rows), which also opens block_m 128 to them. Its E4M3 workspace holds the rows one rank routes (at
+  // most T x top_k, as the NVFP4 scratch; rounded up to 128, TMA reads past them as zeros); with several ranks the rows
+  // it receives are not known here, so pool_rows (every rank's tokens), and only up to kFp4FoldMxfp4MaxBytes.
+  const uint64_t rows = l.pool_rows;
+  const int64_t mx_rows = l.num_ranks == 1 ? (std::max<int64_t>(int64_t(t) * l.top_k, 1) + 127) / 128 * 128
+                                           : static_cast<int64_t>(rows);
+  const int64_t mx_bytes = mx_rows * int64_t(l.hidden + l.intermediate) +
+                           int64_t(l.hidden + l.intermediate) / 128 * int64_t(rows) * int64_t(sizeof(float));
+  const bool mx_fold_allowed = fp8_mma && recipe == ActRecipe::kMXFP4 && heuristics::fp4_fold_mxfp4_allowed() &&
+                               (l.num_ranks == 1 || mx_bytes <= heuristics::kFp4FoldMxfp4MaxBytes);
   const int tail_from = heuristics::fp4_tail_from_rows(nv_acts, recipe == ActRecipe::kFP8UE8M0Block32, fp8_mma, folded);
   const auto cfg = heuristics::choose_fp4_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate,
                                                        act_fp4, tail_from,
                                                        heuristics::fp4_block128_recipe(fp8_mma, folded || mx_fold_allowed),
                                                        sms, l.num_ranks);
   uint8_t* buf = buffer_ptr(buffer);
-  const uint64_t e = l.num_local_experts, h = l.hidden, inter = l.intermediate, rows = l.pool_rows;
+  const uint64_t e = l.num_local_experts, h = l.hidden, inter = l.intermediate;
   const auto bm = static_cast<uint32_t>(cfg.block_m);
 
   // The L2 input of NVFP4 activations has a per-row global scale over the whole I row: L1 stores float32
@@ -98,26 +104,24 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   // ---- routing and gather (dispatch: every rank's tokens routed to this rank's experts). An expert's last token block
   // may hold tail rows past block_m where both GEMMs run a build with them (heuristics::fp4_tail_rows).
   const int tail_rows = heuristics::fp4_tail_rows(cfg.block_m, expected_rows, tail_from, round1 + round2 > 0);
-  const bool mx_fold = heuristics::fp4_fold_mxfp4_tokens(mx_fold_allowed, cfg.block_m, round1 + round2, tail_rows);
-  // Its workspaces: E4M3 rows [pool_rows, hidden] (L1) and [pool_rows, intermediate] (L2), then the float factors
-  // [hidden / 128, pool_rows] and [intermediate / 128, pool_rows] (allocated before any launch).
+  const bool mx_fold = heuristics::fp4_fold_mxfp4_tokens(mx_fold_allowed, round1 + round2, tail_rows);
+  // Its workspace (mx_bytes, allocated before any launch): E4M3 rows [mx_rows, hidden] (L1) and [mx_rows,
+  // intermediate] (L2), then the float factors [hidden / 128, pool_rows] and [intermediate / 128, pool_rows] (the
+  // kernels' factor stride).
   at::Tensor mx_ws;
   uint8_t *mx_x = nullptr, *mx_pool = nullptr;
   float *mx_x_factors = nullptr, *mx_pool_factors = nullptr;
   if (mx_fold) {
-    const int64_t data = int64_t(rows) * (h + inter), factors = (int64_t(h) + inter) / 128 * int64_t(rows) * 4;
-    mx_ws = at::empty({data + factors}, y.options().dtype(at::kByte));
+    mx_ws = at::empty({mx_bytes}, y.options().dtype(at::kByte));
     mx_x = mx_ws.data_ptr<uint8_t>();
-    mx_pool = mx_x + int64_t(rows) * h;
-    mx_x_factors = reinterpret_cast<float*>(mx_pool + int64_t(rows) * inter);
-    mx_pool_factors = mx_x_factors + int64_t(h / 128) * rows;
+    mx_pool = mx_x + mx_rows * int64_t(h);
+    mx_x_factors = reinterpret_cast<float*>(mx_pool + mx_rows * int64_t(inter));
+    mx_pool_factors = mx_x_factors + int64_t(h / 128) * int64_t(rows);
   }
   kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
                           recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream, tail_rows);
-  kernels::launch_gather(buf, l, recipe, sms, stream, counters, counter_words, folded);
-  if (mx_fold)
-    kernels::launch_fold_mxfp4(buf + l.dispatch_x_offset, buf + l.dispatch_sf_offset, static_cast<int64_t>(h), mx_x,
-                               mx_x_factors, buf, l, sms, stream);
+  // With the MXFP4 fold the gather writes the folded rows into the workspace (the dispatch rows are not copied).
+  kernels::launch_gather(buf, l, recipe, sms, stream, counters, counter_words, folded || mx_fold, mx_x, mx_x_factors);
 
   const float clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
   // The third kernel-layout weight tensor: NVFP4's per-expert global scales, MXFP4's per-row exponents (check_mega_moe).
@@ -156,12 +160,19 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g1.split_counters = counters;
   g1.folded_tokens = folded;
   g1.fold_output = folded && !fold_pass;
-  if (mx_fold) {  // the folded E4M3 rows and factors, read as folded FP8 tokens; MXFP4 out (the w4a4 pool)
-    g1.tmap_acts = kernels::make_tensor_map_2d(mx_x, h, rows, h, 128, bm);
+  // The folded E4M3 rows and factors, read as folded FP8 tokens; MXFP4 out, which the epilogue of 256-row tiles folds
+  // for L2 into the workspace (a 128-row tile's 64 outputs are half of L2's 128-K group: the E2M1 pool, folded by a
+  // pass before L2).
+  const bool mx_fold_pass = mx_fold && cfg.block_m == 128;
+  if (mx_fold) {
+    g1.tmap_acts = kernels::make_tensor_map_2d(mx_x, h, mx_rows, h, 128, bm);
     g1.acts_sf = reinterpret_cast<const uint8_t*>(mx_x_factors);
     g1.recipe = ActRecipe::kFP8UE8M0Block32;
     g1.folded_tokens = true;
     g1.out_fp4 = true;
+    g1.fold_output = !mx_fold_pass;
+    g1.fold_out = mx_pool;
+    g1.fold_out_factors = mx_pool_factors;
   }
   kernels::launch_fp4_grouped_gemm(g1, buf, l, cfg.block_m, sms, stream);
   if (nv_acts) kernels::launch_nvfp4_requant(g1.scratch, buf, l, static_cast<int>(scratch.size(0)), sms, stream);
@@ -190,9 +201,10 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g2.fold_output = false;
   g2.out_fp4 = false;
   if (mx_fold) {
-    kernels::launch_fold_mxfp4(buf + l.pool_offset, buf + l.pool_sf_offset, static_cast<int64_t>(inter), mx_pool,
-                               mx_pool_factors, buf, l, sms, stream);
-    g2.tmap_acts = kernels::make_tensor_map_2d(mx_pool, inter, rows, inter, 128, bm);
+    if (mx_fold_pass)
+      kernels::launch_fold_mxfp4(buf + l.pool_offset, buf + l.pool_sf_offset, static_cast<int64_t>(inter), mx_pool,
+                                 mx_pool_factors, buf, l, sms, stream);
+    g2.tmap_acts = kernels::make_tensor_map_2d(mx_pool, inter, mx_rows, inter, 128, bm);
     g2.acts_sf = reinterpret_cast<const uint8_t*>(mx_pool_factors);
     g2.recipe = ActRecipe::kFP8UE8M0Block32;
     g2.folded_tokens = true;
