@@ -30,6 +30,13 @@ MODELS = {"V4-Flash": (256, 6, 4096, 2048), "V4-Pro": (384, 6, 7168, 3072)}
 combo = pytest.mark.parametrize("weight_format,act_format", COMBOS, ids=COMBO_IDS)
 
 
+@pytest.fixture(autouse=True)
+def poisoned_workspaces(monkeypatch):
+    """The op's per-call workspaces (MXFP4 w4a4's folded tokens) start as NaN bytes in every test: a tile that never
+    wrote its part would otherwise pass on the previous call's values, which the caching allocator hands back."""
+    monkeypatch.setenv("MEGAMOE_POISON_WORKSPACES", "1")
+
+
 def run_poisoned(case, **kwargs):
     megamoe.pre_dispatch(case.x, case.topk_idx, case.topk_weights, case.buffer, weight_format=case.weight_format)
     y = torch.full_like(case.x, float("nan"))

@@ -207,26 +207,27 @@ inline bool fp4_folded_tokens() {
 // its outputs to MXFP4 and folds them for L2 into the workspace in its epilogue (block_m 128, whose tiles hold half of
 // L2's 128-K group: a pass after L1, launch_fold_mxfp4), all through the converters' fold (fold_e2m1_quarter: the same
 // bits), and both GEMMs run the folded-token builds (w4a8's; no converters; block_m 128 opened to them:
-// fp4_block128_for). Every block_m but where the last round splits K or an expert's last block takes tail rows (those
-// builds are not instantiated with MXFP4 output). Workspace per call: the rows one rank routes (T x top_k) x (hidden +
-// intermediate) bytes plus factors (V4-Flash T=128: ~5 MB; 8192: ~300 MB); with several ranks pool_rows, every
-// rank's tokens, so there only while that stays under kFp4FoldMxfp4MaxBytes (the caller). A choice by token or rank
-// count keeps EP's bits (the same values either way). MEGAMOE_FP4_FOLD_MXFP4=0 (read per call; tests) turns it off.
+// fp4_block128_for). Every block_m and split K of the last round, but not where an expert's last block takes tail rows
+// (the wide-tail build has no MXFP4 output; w4a4 takes none today: fp4_tail_from_rows). Workspace per call: the rows
+// one rank routes (T x top_k) x (hidden + intermediate) bytes plus factors (V4-Flash T=128: ~5 MB; 8192: ~300 MB);
+// with several ranks pool_rows, every rank's tokens, so there only while that stays under kFp4FoldMxfp4MaxBytes (the
+// caller). A choice by token or rank count keeps EP's bits (the same values either way). MEGAMOE_FP4_FOLD_MXFP4=0
+// (read per call; tests) turns it off.
 // NOTES: H100 A/Bs (2026-11-26, 2 rounds each, time per replay / in a graph). At block_m 128 with two fold passes,
 // over the converters' block_m 64 (docs/bench/h100-2026-11-26k-ab-fp4-w4a4-upstream-fold.json): V4-Flash T=3072 0.765 /
 // 0.761, 4096 0.759 / 0.747, 8192 0.885 / 0.900; V4-Pro 4096 0.861 / 0.851, 8192 0.876 / 0.876. The passes at every
 // block_m (-26l-ab-fp4-w4a4-fold-passes-all-blocks.json): T = 16-1024 0.90-0.99, but V4-Flash T=1 1.023 / 1.028 (two
 // launches). With the gather's and L1's epilogue folds, over the block_m 128-only build
 // (-26l-ab-fp4-w4a4-gather-epilogue-fold.json): V4-Flash T=1 0.915 / 0.915, 16 0.877 / 0.875, 128 0.868 / 0.870, 512
-// 0.995 / 0.944, 2048 0.924 / 0.981; V4-Pro 16 0.931 / 0.938, 128 0.923 / 0.926, 512-4096 0.96-0.98; T=1 on V4-Pro
-// splits K (no fold): 1.008 / 1.005. MXFP4 w4a4 then runs within 1 % of w4a8 at T = 1-128 in the same run.
+// 0.995 / 0.944, 2048 0.924 / 0.981; V4-Pro 16 0.931 / 0.938, 128 0.923 / 0.926, 512-4096 0.96-0.98. MXFP4 w4a4 then
+// runs within 1 % of w4a8 at T = 1-128 in the same run. With split K too (H200, over the build without it there;
+// -26l-ab-fp4-w4a4-fold-split-k.json): V4-Pro T=1 0.917 / 0.926, 2 0.923 / 0.921, V4-Flash 2 0.946 / 0.948, 3 0.929
+// / 0.925; no split (V4-Flash 1 / 4, V4-Pro 3 / 4) 0.994-1.002.
 inline bool fp4_fold_mxfp4_allowed() {
   const char* env = std::getenv("MEGAMOE_FP4_FOLD_MXFP4");
   return env == nullptr || env[0] != '0';
 }
-inline bool fp4_fold_mxfp4_tokens(bool allowed, int split_rounds, int tail_rows) {
-  return allowed && split_rounds == 0 && tail_rows == 0;
-}
+inline bool fp4_fold_mxfp4_tokens(bool allowed, int tail_rows) { return allowed && tail_rows == 0; }
 // With several ranks the fold's workspace holds pool_rows (every rank's tokens): taken up to this size.
 constexpr int64_t kFp4FoldMxfp4MaxBytes = int64_t(256) << 20;
 

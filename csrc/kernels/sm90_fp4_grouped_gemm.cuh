@@ -448,8 +448,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
                                  const __grid_constant__ CUtensorMap tmap_acts_tail, Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
-  static_assert(!kOutFP4 || (kIsL1 && kFP8Mma && kRecipe == ActRecipe::kFP8UE8M0Block32 && !kSplitK && !kWideTail),
-                "MXFP4 output from folded tokens: L1 on the FP8-wgmma path, no split, no tail");
+  static_assert(!kOutFP4 || (kIsL1 && kFP8Mma && kRecipe == ActRecipe::kFP8UE8M0Block32 && !kWideTail),
+                "MXFP4 output from folded tokens: L1 on the FP8-wgmma path, no tail");
   constexpr ActRecipe kOut = kOutFP4 ? ActRecipe::kMXFP4 : kRecipe;  // L1's output recipe
   // Block_m 128 (Roles): folded FP8 tokens on the FP8-wgmma path only; the converters and the bf16 ring are not built.
   constexpr bool kFoldedOnly = kBlockM == 128;

@@ -8,14 +8,18 @@ namespace megamoe::kernels::fp4 {
 
 void launch_l1_mxfp4_fold(const Fp4GroupedGemmArgs& a, const Params& p, int block_m, int num_sms,
                           cudaStream_t stream) {
-  // heuristics::fp4_fold_mxfp4_tokens: no split K, no tail rows. A 256-row tile's 128 outputs are one 128-K group of
-  // L2: the epilogue folds them (fold_output, into Params::fold_out); block_m 128's 64 outputs are half of one, so it
-  // writes the MXFP4 pool and launch_fold_mxfp4 folds that.
+  // heuristics::fp4_fold_mxfp4_tokens: no tail rows; split K of the last round at block_m 16 only (as the other
+  // builds). A 256-row tile's 128 outputs are one 128-K group of L2: the epilogue folds them (fold_output, into
+  // Params::fold_out); block_m 128's 64 outputs are half of one, so it writes the MXFP4 pool and launch_fold_mxfp4
+  // folds that.
   if (a.out_fp4 && a.recipe == ActRecipe::kFP8UE8M0Block32 && p.folded_tokens && p.fold_output == (block_m != 128) &&
-      p.split_round == 0 && a.tail_rows == 0) {
+      (p.split_round == 0 || block_m == 16) && a.tail_rows == 0) {
     constexpr auto kFolded = ActRecipe::kFP8UE8M0Block32;
     switch (block_m) {
-      case 16: return launch_config<16, true, false, kFolded, true, false, false, true>(a, p, num_sms, stream);
+      case 16:
+        if (p.split_round > 0)
+          return launch_config<16, true, false, kFolded, true, true, false, true>(a, p, num_sms, stream);
+        return launch_config<16, true, false, kFolded, true, false, false, true>(a, p, num_sms, stream);
       case 32: return launch_config<32, true, false, kFolded, true, false, false, true>(a, p, num_sms, stream);
       case 64: return launch_config<64, true, false, kFolded, true, false, false, true>(a, p, num_sms, stream);
       case 128: return launch_config<128, true, false, kFolded, true, false, false, true>(a, p, num_sms, stream);
@@ -23,7 +27,7 @@ void launch_l1_mxfp4_fold(const Fp4GroupedGemmArgs& a, const Params& p, int bloc
     }
   }
   throw std::runtime_error("megamoe: MXFP4 output from upstream-folded tokens needs L1 on the FP8-wgmma path, block_m "
-                           "16, 32, 64 (folding its output) or 128 (not), folded tokens, no split K and no tail rows; "
+                           "16, 32, 64 (folding its output) or 128 (not), folded tokens, split K at block_m 16 only, no tail rows; "
                            "got block_m " + std::to_string(block_m));
 }
 

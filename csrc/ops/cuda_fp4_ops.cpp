@@ -48,7 +48,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   // epilogue.
   const bool folded = fp8_mma && recipe == ActRecipe::kFP8UE8M0Block32 && heuristics::fp4_folded_tokens();
   // MXFP4 tokens on the FP8-wgmma path are folded upstream (heuristics::fp4_fold_mxfp4_tokens, decided below from the
-  // split and tail rows), which also opens block_m 128 to them. Its E4M3 workspace holds the rows one rank routes (at
+  // tail rows), which also opens block_m 128 to them. Its E4M3 workspace holds the rows one rank routes (at
   // most T x top_k, as the NVFP4 scratch; rounded up to 128, TMA reads past them as zeros); with several ranks the rows
   // it receives are not known here, so pool_rows (every rank's tokens), and only up to kFp4FoldMxfp4MaxBytes.
   const uint64_t rows = l.pool_rows;
@@ -104,7 +104,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   // ---- routing and gather (dispatch: every rank's tokens routed to this rank's experts). An expert's last token block
   // may hold tail rows past block_m where both GEMMs run a build with them (heuristics::fp4_tail_rows).
   const int tail_rows = heuristics::fp4_tail_rows(cfg.block_m, expected_rows, tail_from, round1 + round2 > 0);
-  const bool mx_fold = heuristics::fp4_fold_mxfp4_tokens(mx_fold_allowed, round1 + round2, tail_rows);
+  const bool mx_fold = heuristics::fp4_fold_mxfp4_tokens(mx_fold_allowed, tail_rows);
   // Its workspace (mx_bytes, allocated before any launch): E4M3 rows [mx_rows, hidden] (L1) and [mx_rows,
   // intermediate] (L2), then the float factors [hidden / 128, pool_rows] and [intermediate / 128, pool_rows] (the
   // kernels' factor stride).
@@ -113,6 +113,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   float *mx_x_factors = nullptr, *mx_pool_factors = nullptr;
   if (mx_fold) {
     mx_ws = at::empty({mx_bytes}, y.options().dtype(at::kByte));
+    if (poison_workspaces()) mx_ws.fill_(0xFF);
     mx_x = mx_ws.data_ptr<uint8_t>();
     mx_pool = mx_x + mx_rows * int64_t(h);
     mx_x_factors = reinterpret_cast<float*>(mx_pool + mx_rows * int64_t(inter));

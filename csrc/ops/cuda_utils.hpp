@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "ops/ops.hpp"
@@ -33,5 +34,13 @@ inline void check_arch(const at::Tensor& t, const char* op) {
 inline int num_sms(const at::Tensor& t) { return device_attribute(t, cudaDevAttrMultiProcessorCount); }
 
 inline uint8_t* buffer_ptr(at::Tensor& buffer) { return buffer.data_ptr<uint8_t>(); }
+
+// MEGAMOE_POISON_WORKSPACES=1 (read per call; tests): per-call workspaces start as 0xFF bytes (NaN as E4M3 and as
+// float32), so that a result can only come from values the call itself wrote: the caching allocator hands a call the
+// memory the previous one filled.
+inline bool poison_workspaces() {
+  const char* env = std::getenv("MEGAMOE_POISON_WORKSPACES");
+  return env != nullptr && env[0] == '1';
+}
 
 }  // namespace megamoe
