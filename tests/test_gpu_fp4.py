@@ -738,3 +738,19 @@ def test_deepseek_v4_shapes(model_layer, act_format, num_tokens):
     ref = reference.mega_moe(x[sample], idx[sample], w[sample], w13, w2, weight_format=weight_format,
                              act_format=act_format, w13_sf=sf13, w2_sf=sf2, w13_global_sf=g13, w2_global_sf=g2)
     assert rel_err(y[sample], ref) <= TOL, name
+
+
+def test_mxfp4_row_exponents_misaligned_is_refused():
+    """The kernel copies four rows' exponents as one 4-byte word: MXFP4 row exponents whose data pointer is off 4-byte
+    alignment (a sliced tensor; transform_weights never returns one) are refused naming the argument, before any
+    launch (y keeps its poison)."""
+    case = make_case(4, 256, 128, 2, 8, "mxfp4", "fp8", device="cuda", seed=7, with_ref=False)
+    w, sf, row_exp = case.l1
+    shifted = torch.empty(row_exp.numel() + 1, dtype=torch.uint8, device="cuda")[1:].view(row_exp.shape)
+    shifted.copy_(row_exp)
+    megamoe.pre_dispatch(case.x, case.topk_idx, case.topk_weights, case.buffer, weight_format="mxfp4")
+    y = torch.full_like(case.x, float("nan"))
+    with pytest.raises(ValueError, match=r"l1_weights_global_sf: expected a data pointer aligned to 4 bytes.*offset of 1"):
+        megamoe.fp8_fp4_mega_moe(y, (w, sf, shifted), case.l2, case.buffer, weight_format="mxfp4")
+    torch.cuda.synchronize()
+    assert y.isnan().all()

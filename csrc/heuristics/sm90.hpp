@@ -395,8 +395,9 @@ inline bool fp4_block128_for(int64_t rows) {
   const int64_t blocks64 = static_cast<int64_t>(std::ceil((rows + std::sqrt(double(rows))) / 64.0));
   return blocks64 >= 2 * ((rows + 127) / 128);
 }
+// e2m1_tiles: the kernels' token tiles are E2M1 (FP4 tokens not folded upstream), for the stage count.
 inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top_k, int64_t num_experts,
-                                                 int64_t hidden, int64_t intermediate, bool act_fp4, int tail_from,
+                                                 int64_t hidden, int64_t intermediate, bool e2m1_tiles, int tail_from,
                                                  bool block128, int num_sms, int64_t num_ranks) {
   GroupedGemmConfig c;
   const int64_t rows = fp4_expected_rows(num_tokens, top_k, num_experts);
@@ -407,11 +408,11 @@ inline GroupedGemmConfig choose_fp4_grouped_gemm(int64_t num_tokens, int64_t top
       fp4_split_round(num_tokens, top_k, num_experts, (hidden + 255) / 256, 16, num_sms, num_ranks) == 0)
     block = 16;
   c.block_m = forced_block_m("MEGAMOE_FP4_BLOCK_M", block, block128 ? 128 : 64);
-  c.num_stages = fp4_num_stages_for(c.block_m, act_fp4, c.block_m);
+  c.num_stages = fp4_num_stages_for(c.block_m, e2m1_tiles, c.block_m);
   c.fused = false;  // the FP4 kernels run L1 and L2 as two launches
   c.pairs = false;
-  print_config_once(act_fp4 ? "FP4 (FP4 tokens)" : "FP4 (FP8 tokens)", num_tokens, top_k, num_experts, hidden,
-                    intermediate, 1, c);
+  print_config_once(e2m1_tiles ? "FP4 (E2M1 token tiles)" : "FP4 (E4M3 token tiles)", num_tokens, top_k, num_experts,
+                    hidden, intermediate, num_ranks, c);
   return c;
 }
 

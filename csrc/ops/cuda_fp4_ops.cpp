@@ -59,8 +59,9 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   const bool mx_fold_allowed = fp8_mma && recipe == ActRecipe::kMXFP4 && heuristics::fp4_fold_mxfp4_allowed() &&
                                (l.num_ranks == 1 || mx_bytes <= heuristics::kFp4FoldMxfp4MaxBytes);
   const int tail_from = heuristics::fp4_tail_from_rows(nv_acts, recipe == ActRecipe::kFP8UE8M0Block32, fp8_mma, folded);
+  // E2M1 token tiles only where MXFP4 tokens are not folded (mx_fold below is mx_fold_allowed: they take no tail rows).
   const auto cfg = heuristics::choose_fp4_grouped_gemm(t, l.top_k, l.num_local_experts, l.hidden, l.intermediate,
-                                                       act_fp4, tail_from,
+                                                       act_fp4 && !mx_fold_allowed, tail_from,
                                                        heuristics::fp4_block128_recipe(fp8_mma, folded || mx_fold_allowed),
                                                        sms, l.num_ranks);
   uint8_t* buf = buffer_ptr(buffer);

@@ -55,6 +55,11 @@ void check_weights(const at::Tensor& w, const at::Tensor& sf, const at::Tensor& 
       MEGAMOE_CHECK_DIM(global_sf, global_name, 2);
       MEGAMOE_CHECK_SIZE(global_sf, global_name, 0, e);
       MEGAMOE_CHECK_SIZE(global_sf, global_name, 1, n);
+      // The kernel copies each 4 rows' exponents as one 4-byte word (cp.async of 4 bytes needs 4-byte alignment).
+      TORCH_CHECK_VALUE(!global_sf.is_cuda() || reinterpret_cast<uintptr_t>(global_sf.data_ptr()) % 4 == 0, global_name,
+                        ": expected a data pointer aligned to 4 bytes (mxfp4 row exponents, as transform_weights "
+                        "allocates them), got an offset of ", reinterpret_cast<uintptr_t>(global_sf.data_ptr()) % 4,
+                        " bytes");
     } else {
       MEGAMOE_CHECK_DTYPE(global_sf, global_name, at::kFloat);
       MEGAMOE_CHECK_DIM(global_sf, global_name, 1);
