@@ -273,13 +273,16 @@ def test_narrow_mma_equals_full_width(weight_format, act_format, block_m, monkey
     assert_narrow_equals_full_width(case, block_m, False, monkeypatch)
 
 
-@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("act_format,fold", [("fp8", "1"), ("fp4", "1"), ("fp4", "0")],
+                         ids=["afp8", "afp4-folded", "afp4-converters"])
 @pytest.mark.parametrize("block_m", [32, 64])
 @pytest.mark.parametrize("hidden,inter", [(384, 256), (640, 896)])
-def test_mxfp4_fp8_mma_narrow_equals_full_width(act_format, block_m, hidden, inter, monkeypatch):
+def test_mxfp4_fp8_mma_narrow_equals_full_width(act_format, fold, block_m, hidden, inter, monkeypatch):
     """The FP8-wgmma path (MXFP4 weights, the default) runs each tile's stages at its rows' width: 16 / 32 at
     block_m 32, 32 / 48 / 64 at block_m 64 (m64nNk32 into the partial), bitwise equal to the block's width for
-    experts of every width class (rows 1-100, one empty), with partial stages (hidden 384, 640; intermediate 896)."""
+    experts of every width class (rows 1-100, one empty), with partial stages (hidden 384, 640; intermediate 896).
+    MXFP4 tokens both folded upstream (the default) and converted in the tiles (MEGAMOE_FP4_FOLD_MXFP4=0)."""
+    monkeypatch.setenv("MEGAMOE_FP4_FOLD_MXFP4", fold)
     rows = [1, 8, 9, 15, 16, 17, 24, 31, 32, 33, 40, 47, 48, 49, 56, 63, 64, 65, 80, 96, 97, 100, 0]
     case = case_with_rows(rows, hidden, inter, "mxfp4", act_format, seed=701 + block_m + hidden,
                           routing_seed=702 + block_m)
@@ -346,7 +349,10 @@ def test_mxfp4_w4a4_upstream_fold_equals_converters(hidden, inter, spread, monke
         monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", str(block_m))
         monkeypatch.setenv("MEGAMOE_FP4_FOLD_MXFP4", "1" if fold else "0")
         poison_gemm_outputs(case.buffer)
-        return run_poisoned(case)
+        poison_dispatch_rows(case.buffer)
+        y = run_poisoned(case)
+        assert dispatch_rows_copied(case) != fold, f"block_m {block_m}: the fold {'did not run' if fold else 'ran'}"
+        return y
 
     converters = run(64, False)
     assert rel_err(converters, case.ref) <= (TOL if not spread else 5e-2)
@@ -413,6 +419,21 @@ def fp4_split_plans(case, e, h, i, block_m, round_):
         s = min(round_ // rest, kblocks, 8) if tiles > round_ and 2 * rest <= round_ else 1
         plans.append((tiles, s if s >= 2 else 1))
     return plans
+
+
+def poison_dispatch_rows(buffer):
+    """0xFF over the dispatch area's token rows (the gather's copies; see dispatch_rows_copied)."""
+    lay = buffer.layout
+    buffer.buffer[lay["dispatch_x_offset"]:lay["dispatch_sf_offset"]].fill_(0xFF)
+
+
+def dispatch_rows_copied(case):
+    """Whether the gather copied the packed token rows into the dispatch area (poisoned by poison_dispatch_rows before
+    the call): where MXFP4 tokens are folded upstream it writes the fold's workspace instead, so a test can tell which
+    path ran."""
+    lay = case.buffer.layout
+    rows = case.buffer.buffer[lay["dispatch_x_offset"]:lay["dispatch_sf_offset"]]
+    return bool((rows[: case.x.shape[0] * case.x.shape[1] // 2] != 0xFF).any())
 
 
 def poison_gemm_outputs(buffer):
@@ -754,3 +775,31 @@ def test_mxfp4_row_exponents_misaligned_is_refused():
         megamoe.fp8_fp4_mega_moe(y, (w, sf, shifted), case.l2, case.buffer, weight_format="mxfp4")
     torch.cuda.synchronize()
     assert y.isnan().all()
+
+
+@pytest.mark.parametrize("num_tokens", [7, 40])
+def test_mxfp4_w4a4_fold_split_equals_converters_split(num_tokens, monkeypatch):
+    """Split K of the last round with MXFP4 tokens: the folded build (kOutFP4 with split K) equals the converters'
+    split build bitwise (the same partials summed in split order), both against the reference within the tolerance;
+    the round is forced so that at least one GEMM splits (the Python mirror of the plan)."""
+    e, h, i, k = 16, 2048, 512, 4
+    case = make_case(e, h, i, k, num_tokens, "mxfp4", "fp4", device="cuda", seed=131 * num_tokens)
+    monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
+    monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", "16")
+    tiles = fp4_split_plans(case, e, h, i, 16, 2)[0][0]
+    round_ = tiles - 1
+    plans = fp4_split_plans(case, e, h, i, 16, round_)
+    assert any(s > 1 for _, s in plans), plans
+    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", str(round_))
+
+    def run(fold):
+        monkeypatch.setenv("MEGAMOE_FP4_FOLD_MXFP4", "1" if fold else "0")
+        poison_dispatch_rows(case.buffer)
+        y = run_split_poisoned(case)
+        assert dispatch_rows_copied(case) != fold
+        return y
+
+    converters = run(False)
+    assert rel_err(converters, case.ref) <= (TOL if num_tokens * k > 100 else 5e-2)
+    assert torch.equal(run(True), converters)
+    assert torch.equal(run(True), converters)  # run to run

@@ -27,8 +27,12 @@ void launch_l1_mxfp4_fold(const Fp4GroupedGemmArgs& a, const Params& p, int bloc
     }
   }
   throw std::runtime_error("megamoe: MXFP4 output from upstream-folded tokens needs L1 on the FP8-wgmma path, block_m "
-                           "16, 32, 64 (folding its output) or 128 (not), folded tokens, split K at block_m 16 only, no tail rows; "
-                           "got block_m " + std::to_string(block_m));
+                           "16, 32, 64 (folding its output) or 128 (not), folded tokens, split K at block_m 16 only, no "
+                           "tail rows; got block_m " + std::to_string(block_m) + ", out_fp4 " +
+                           std::to_string(a.out_fp4) + ", recipe " + std::to_string(int(a.recipe)) + ", folded_tokens " +
+                           std::to_string(p.folded_tokens) + ", fold_output " + std::to_string(p.fold_output) +
+                           ", split_round " + std::to_string(p.split_round) + ", tail_rows " +
+                           std::to_string(a.tail_rows));
 }
 
 }  // namespace megamoe::kernels::fp4

@@ -35,9 +35,10 @@ inline int num_sms(const at::Tensor& t) { return device_attribute(t, cudaDevAttr
 
 inline uint8_t* buffer_ptr(at::Tensor& buffer) { return buffer.data_ptr<uint8_t>(); }
 
-// MEGAMOE_POISON_WORKSPACES=1 (read per call; tests): per-call workspaces start as 0xFF bytes (NaN as E4M3 and as
-// float32), so that a result can only come from values the call itself wrote: the caching allocator hands a call the
-// memory the previous one filled.
+// MEGAMOE_POISON_WORKSPACES=1 (read per call; tests): the MXFP4 w4a4 fold's per-call workspace starts as 0xFF bytes
+// (NaN as E4M3 and as float32), so that a result can only come from values the call itself wrote: the caching
+// allocator hands a call the memory the previous one filled. (The other per-call tensors, the split-K partials and
+// the NVFP4 scratch, are not poisoned here.)
 inline bool poison_workspaces() {
   const char* env = std::getenv("MEGAMOE_POISON_WORKSPACES");
   return env != nullptr && env[0] == '1';
