@@ -3,6 +3,8 @@
     python benchmarks/fold_error.py [--experts 32 --hidden 1024 --intermediate 512 --tokens 256 --seeds 3]
                                     [--weight-fold 128 --weight-headroom 0]  (the kernels' fold until the thirtieth
                                                                               session; default: today's)
+                                    [--token-fold 256]  (tokens folded per 256 K: half the promotions; the kernels
+                                                         fold per 128)
 
 Hopper has FP8 tensor cores but no FP4 ones. E2M1 x 2^d is an E4M3 value for every E2M1 code when
 0 <= d <= 8 (0.5 x 2^-8 = 2^-9 is E4M3's smallest subnormal), so an MXFP4 weight row can be decoded on chip to
@@ -59,12 +61,15 @@ def exact_activation(x: torch.Tensor, _recipe) -> torch.Tensor:
     return _EXACT_ACTIVATION(x, "fp8_ue8m0_32")
 
 
+TOKEN_FOLD = [FOLD_BLOCK]  # --token-fold: K per token fold exponent (the kernels': 128)
+
+
 def folded_activation(x: torch.Tensor, _recipe) -> torch.Tensor:
-    """Drop-in for reference.quantize_activation: the w4a8 recipe (per-32 UE8M0), folded per 128."""
+    """Drop-in for reference.quantize_activation: the w4a8 recipe (per-32 UE8M0), folded per TOKEN_FOLD K."""
     xf = x.to(torch.float32)
     q, sf = formats.quantize_fp8_ue8m0(xf, SCALE_BLOCK)
     scale = formats.ue8m0_to_float(sf)
-    return fold_e4m3(formats.dequantize_fp8(q, sf, SCALE_BLOCK), scale)
+    return fold_e4m3(formats.dequantize_fp8(q, sf, SCALE_BLOCK), scale, TOKEN_FOLD[0])
 
 
 WEIGHT_FOLD = [0, 6]  # --weight-fold (0: one exponent per row for the whole K), --weight-headroom
@@ -113,14 +118,17 @@ def main():
                          "thirtieth session)")
     ap.add_argument("--weight-headroom", type=int, default=WEIGHT_FOLD[1],
                     help="binades the folded weights may rise above E2M1's range (6: the kernels'; at most 6)")
+    ap.add_argument("--token-fold", type=int, default=TOKEN_FOLD[0], choices=(128, 256, 512),
+                    help="K per token fold exponent (128: the kernels'; 256 would halve the promotions per K)")
     args = ap.parse_args()
+    TOKEN_FOLD[0] = args.token_fold
     if not 0 <= args.weight_headroom <= 6:
         ap.error(f"--weight-headroom: expected 0 to 6 (6 x 2^6 = 384 <= 448, E4M3's largest), got {args.weight_headroom}")
     WEIGHT_FOLD[:] = [args.weight_fold, args.weight_headroom]
     e, h, i, k, t = args.experts, args.hidden, args.intermediate, args.top_k, args.tokens
     print(f"E={e} H={h} I={i} top-k={k} T={t}, {args.seeds} seeds, CPU; errors relative to the emulating reference; "
           f"weights folded per {args.weight_fold or 'row'} K (headroom 2^{args.weight_headroom}), activations per "
-          f"{FOLD_BLOCK}")
+          f"{TOKEN_FOLD[0]}")
     rows = []
     outliers = f"outlier channels ({args.outlier_fraction:.1%} x {args.outlier_scale:g})"
     gradient = f"K-gradient 0..{args.spread}"
