@@ -30,6 +30,8 @@ to 255 registers; with the converters of full+conv, 448 threads, ptxas allocates
   fp8-ffma / fp8-fadd  fp8-full (256 x 64) or fp8-wide-full (128 x 128) with a cheaper promotion: the tokens' factors
               only (one FFMA per accumulator: weights folded relative to one exponent per row for the whole K), or
               none (one FADD: tokens too)
+  fp8-ffma256 fp8-ffma on the 128 x 128 tile with the tokens folded per 256 K: the stage's second group of wgmmas adds
+              onto the first's partial, one FFMA promotion per stage (not yet run on a GPU)
   e4m3-ss     MXFP4 only: the consumers decode to E4M3 into shared memory (two buffers per warpgroup) and issue
               shared-memory FP8 wgmmas (m64n64k32) with per-group promotion: decode and MMA can overlap within a
               warp (256 x 64 tile only; its FP8 ideal is half the BF16 one)
@@ -86,6 +88,7 @@ CUDA_SRC = r"""
 
 namespace ptx = megamoe::ptx;
 namespace fp4 = megamoe::kernels::fp4;
+namespace kernels = megamoe::kernels;  // the fold tables (sm90_common.cuh)
 constexpr int kStages = 2;
 constexpr int kTileA = 256 * 128, kTileSW = 256 * 16, kStage = kTileA + kTileSW;
 // Converter mode: a second bf16 tile (the ring of two), the raw FP8 token tile, its scales, four mbarriers.
@@ -146,7 +149,8 @@ __device__ __forceinline__ void fill_fp8_path_inputs(uint8_t* smem, uint8_t* tok
   for (int i = threadIdx.x; i < 2 * kTokens * 128 / 4; i += blockDim.x)
     reinterpret_cast<uint32_t*>(tokens)[i] = (uint32_t(i) * 2654435761u) & 0x77777777u;
   for (int i = threadIdx.x; i < 2 * kTokens; i += blockDim.x) tfac[i] = 1.0f;
-  if (threadIdx.x < fp4::kNumFoldTables) tables[threadIdx.x] = fp4::make_fold_table(threadIdx.x - fp4::kFoldHeadroom);
+  if (threadIdx.x < kernels::kNumFoldTables)
+    tables[threadIdx.x] = kernels::make_fold_table(threadIdx.x - kernels::kFoldHeadroom);
 }
 
 // kMode: 0 full, 1 mma-wait, 2 decode, 3 mma-stream, 4 full with converters (see the file comment). kN: tokens (the
@@ -207,6 +211,7 @@ __global__ void __launch_bounds__(128 * kConsumers + (kMode == 4) * kConverterTh
   for (int s = 0; s < 8; ++s)
 #pragma unroll
     for (int r = 0; r < 4; ++r) a[s][r] = 0x3F803F80u;
+  float part256[kRegs];  // kPromo 3: the stage's partial over both 128-K groups
   int64_t start = 0;
   for (int it = 0; it < iters; ++it) {
     if (it == 1) start = clock64();
@@ -366,11 +371,13 @@ template <int kN> struct Fp8Rs { using T = ptx::WgmmaFP8RS<kN>; };
 template <> struct Fp8Rs<128> { using T = WgmmaFP8RS128; };
 // kPromo: the promotion per unit: 0 the kernel's until the thirtieth session (rows' x tokens' factors: FMUL + FFMA), 1
 // the tokens' factors only (the kernel's since: weights folded relative to one exponent per row for the whole K), 2
-// none (FADD: tokens too).
+// none (FADD: tokens too), 3 the tokens' factors once per 256-K stage (tokens folded per 256 K: the second group's
+// wgmmas accumulate onto the first's partial; 128 x 128 only).
 template <int kMode, int kTokens, int kPromo = 0>  // kMode: 0 full, 1 mma, 2 decode (64 tokens only); kTokens: 64, 128, 256
 __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cycles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(kTokens == 64 || ((kTokens == 128 || kTokens == 256) && kMode != 2), "probe: 256 x 64, 128 x 128 or 128 x 256");
+  static_assert(kPromo != 3 || (kTokens == 128 && kMode == 0), "probe: the promotion per 256 K on 128 x 128 only");
   constexpr int kN = kTokens == 64 ? 64 : 128;      // wgmma N
   constexpr int kSlices = kTokens == 64 ? 2 : 1;     // 64-row weight slices per consumer warpgroup
   constexpr int kBlocks = kTokens / kN;              // token blocks of kN per decode
@@ -394,6 +401,7 @@ __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cyc
   for (int s = 0; s < 4; ++s)
 #pragma unroll
     for (int r = 0; r < 4; ++r) a8[s][r] = 0x38383838u;  // E4M3 1.0
+  float part256[kRegs];  // kPromo 3: the stage's partial over both 128-K groups
   int64_t start = 0;
   for (int it = 0; it < iters; ++it) {
     if (it == 1) start = clock64();
@@ -427,7 +435,12 @@ __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cyc
 #pragma unroll
             for (int jj = 0; jj < 16; ++jj) fc[jj] = fcol[8 * (jj / 2) + 2 * q + (jj % 2)];
           }
-          float part[kRegs];
+          float part_unit[kRegs];
+          float(&part)[kRegs] = *[&] {
+            if constexpr (kPromo == 3) return &part256;
+            else return &part_unit;
+          }();
+          const bool carry = kPromo == 3 && g == 1;  // the stage's second group adds onto the first's partial
 #pragma unroll
           for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -437,17 +450,19 @@ __global__ void __launch_bounds__(256, 1) fp8path_kernel(int iters, int64_t* cyc
           ptx::wgmma_fence();
 #pragma unroll
           for (int s = 0; s < 4; ++s)
-            Mma::run(part, a8[s], ptx::smem_desc_sw128(tok_lo + ((g * kTokens + h * kN) * 128 + s * 32) / 16), s > 0);
+            Mma::run(part, a8[s], ptx::smem_desc_sw128(tok_lo + ((g * kTokens + h * kN) * 128 + s * 32) / 16),
+                     s > 0 || carry);
           ptx::wgmma_commit();
           ptx::wgmma_wait<0>();
 #pragma unroll
           for (int i = 0; i < kRegs; ++i) ptx::fence_operand(part[i]);
+          if (kPromo == 3 && g == 0) continue;  // promoted once, after the stage's second group
 #pragma unroll
           for (int i = 0; i < kRegs; ++i) {
             const float f = kN == 64 ? fc[(i / 4) * 2 + (i % 2)] : fcol[8 * (i / 4) + 2 * q + (i % 2)];
             float& a = acc[ls * kBlocks + h][i];
             if constexpr (kPromo == 0) a = fmaf(part[i], ((i / 2) % 2 ? fb : fa) * f, a);
-            else if constexpr (kPromo == 1) a = fmaf(part[i], f, a);
+            else if constexpr (kPromo == 1 || kPromo == 3) a = fmaf(part[i], f, a);
             else a += part[i];
           }
         }
@@ -498,6 +513,7 @@ __global__ void __launch_bounds__(256, 1) ss_kernel(int iters, int64_t* cycles) 
     for (int i = 0; i < kRegs; ++i)
       acc[ls][i] = fmaf(part[u][i], ((i / 2) % 2 ? prev_fb : prev_fa) * fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);
   };
+  float part256[kRegs];  // kPromo 3: the stage's partial over both 128-K groups
   int64_t start = 0;
   for (int it = 0; it < iters; ++it) {
     if (it == 1) start = clock64();
@@ -589,9 +605,11 @@ void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tenso
                               ctas, iters, cycles);
   if (tile == 0 && (mode == 13 || mode == 14))
     return launch_fp8path<64>(mode == 13 ? fp8path_kernel<0, 64, 1> : fp8path_kernel<0, 64, 2>, ctas, iters, cycles);
-  if (tile == 3 && mode >= 11 && mode <= 14)
+  if (tile == 3 && mode >= 11 && mode <= 15)
     return launch_fp8path<128>(mode == 11 ? fp8path_kernel<0, 128> : mode == 12 ? fp8path_kernel<1, 128>
-                               : mode == 13 ? fp8path_kernel<0, 128, 1> : fp8path_kernel<0, 128, 2>, ctas, iters, cycles);
+                               : mode == 13 ? fp8path_kernel<0, 128, 1> : mode == 14 ? fp8path_kernel<0, 128, 2>
+                                                                        : fp8path_kernel<0, 128, 3>,
+                               ctas, iters, cycles);
   if (tile == 2 && (mode == 11 || mode == 12))
     return launch_fp8path<256>(mode == 11 ? fp8path_kernel<0, 256> : fp8path_kernel<1, 256>, ctas, iters, cycles);
   if (mode == 6 || mode == 7) {
@@ -617,10 +635,10 @@ CUDA_SRC = CUDA_SRC.replace("RS128_SRC", _rs128(fp8=False) + _rs128(fp8=True))
 CPP_SRC = "void probe(int64_t tile, int64_t mode, int64_t ctas, int64_t iters, torch::Tensor cycles);"
 
 MODES = ("full", "mma-wait", "decode", "mma-stream", "full+conv", "e4m3-ss", "pipe", "pipe-x", "fp8-full",
-         "fp8-mma", "fp8-decode", "fp8-wide-full", "fp8-wide-mma", "fp8-ffma", "fp8-fadd")
+         "fp8-mma", "fp8-decode", "fp8-wide-full", "fp8-wide-mma", "fp8-ffma", "fp8-fadd", "fp8-ffma256")
 MACS_PER_STAGE = 256 * 256 * 64  # 256 weight rows x 256 K x 64 tokens, or 128 x 256 x 128
 TILES = ((0, "256x64", (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)), (1, "128x128", (0, 1, 3, 6, 7)), (2, "128x256", (11, 12)),
-         (3, "128x128", (11, 12, 13, 14)), (0, "256x64", (13, 14)))
+         (3, "128x128", (11, 12, 13, 14, 15)), (0, "256x64", (13, 14)))
 STAGE_MACS = {2: 2}  # tiles whose 256-K stage holds more than MACS_PER_STAGE: cycles are reported per MACS_PER_STAGE
 BF16_MACS_PER_CYCLE = 2048  # dense BF16 per SM (H100: 989 TFLOP/s at 1.83 GHz over 132 SMs)
 
