@@ -329,6 +329,27 @@ __device__ __forceinline__ void fold_e2m1_quarter(uint4 raw, const uint2* tables
   }
 }
 
+// One 128-K group of an MXFP4 token row (its 4 quarters of 16 bytes, UE8M0 scale bytes in scales4, quarter q in byte q)
+// folded as fold_fp8_group folds FP8 ones: `out` holds the group's E4M3 bytes in the kernel's tile order (chunk 2s /
+// 2s + 1, word q: quarter q's K 8s .. + 3 / 8s + 4 .. + 7). Returns T, the largest scale. The gather's fold and
+// launch_fold_mxfp4 both fold through this (and the converters through fold_e2m1_quarter): the same bits.
+__device__ __forceinline__ uint32_t fold_mxfp4_group(const uint4 (&in)[4], uint32_t scales4, const uint2* tables,
+                                                     uint4 (&out)[8]) {
+  uint32_t t[4], tmax = 0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) t[q] = (scales4 >> (8 * q)) & 0xFF, tmax = max(tmax, t[q]);
+  uint32_t lo[4][4], hi[4][4];  // [quarter][step]
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    fold_e2m1_quarter(in[q], tables, int(tmax - t[q]), [&](int s, uint32_t a, uint32_t b) { lo[q][s] = a, hi[q][s] = b; });
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    out[2 * s] = make_uint4(lo[0][s], lo[1][s], lo[2][s], lo[3][s]);
+    out[2 * s + 1] = make_uint4(hi[0][s], hi[1][s], hi[2][s], hi[3][s]);
+  }
+  return tmax;
+}
+
 // NOTES: NaN-propagating max / min (PTX max.NaN / min.NaN) for every amax and clamp on a quantization
 // path. fmaxf / fminf return the other operand for a NaN (IEEE maxNum): a NaN activation then vanished into
 // a finite scale or a clamp bound and the output came out finite, while the reference (torch amax / clamp)

@@ -134,6 +134,15 @@ __global__ void __launch_bounds__(kRequantMaxThreads) nvfp4_requant_kernel(const
   }
 }
 
+// The 4 UE8M0 scale bytes of (row, 128-K group g) from K-block-major scales [k / 32, pool_rows], quarter q in byte q
+// (the fold passes' scales4).
+__device__ __forceinline__ uint32_t group_scales4(const uint8_t* sf, int g, int64_t pool_rows, int row) {
+  uint32_t scales4 = 0;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) scales4 |= uint32_t(__ldcg(sf + int64_t(4 * g + q) * pool_rows + row)) << (8 * q);
+  return scales4;
+}
+
 // L2's FP8 input folded after a block_m 128 L1 (heuristics::fp4_tile_n: a 128-row tile writes 64 outputs, half of
 // L2's 128-K group, so its epilogue cannot fold): a thread per (row, 128-K group), rows fastest (the scale bytes are
 // K-block-major), folds the group in place with the gather's fold_fp8_group (the same bits as the L1 epilogue's
@@ -148,23 +157,19 @@ __global__ void __launch_bounds__(256) pool_fold_kernel(uint8_t* buffer, layout:
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int g = static_cast<int>(i / rows), row = static_cast<int>(i % rows);
     uint4* data = reinterpret_cast<uint4*>(buffer + l.pool_offset + int64_t(row) * l.pool_row_bytes + g * 128);
-    uint32_t scales4 = 0;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) scales4 |= uint32_t(__ldcg(pool_sf + int64_t(4 * g + q) * l.pool_rows + row)) << (8 * q);
     uint4 in[8], out[8];
 #pragma unroll
     for (int c = 0; c < 8; ++c) in[c] = __ldcg(data + c);
-    const uint32_t tmax = fold_fp8_group(in, scales4, out);
+    const uint32_t tmax = fold_fp8_group(in, group_scales4(pool_sf, g, l.pool_rows, row), out);
 #pragma unroll
     for (int c = 0; c < 8; ++c) data[c] = out[c];
     factors[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
   }
 }
 
-// One thread per (routed row, 128-K group), as pool_fold_kernel: the group's 4 quarters (16 bytes of E2M1 each) through
-// the fold tables relative to the group's largest scale, into 8 chunks of 16 bytes: chunk 2 s + h holds, at byte 4 q,
-// quarter q's E4M3 bytes of k32 step s (h = 0: K 32 q + 8 s .. + 3, h = 1: + 4 .. + 7), the layout fold_token_unit
-// writes into the kernel's tile (before its swizzle, which the TMA applies).
+// One thread per (routed row, 128-K group), as pool_fold_kernel: the group's 4 quarters (16 bytes of E2M1 each) folded
+// by fold_mxfp4_group into 8 chunks of 16 bytes, the layout fold_token_unit writes into the kernel's tile (before its
+// swizzle, which the TMA applies).
 __global__ void __launch_bounds__(256) fold_mxfp4_kernel(const uint8_t* src, const uint8_t* src_sf, int64_t k, uint8_t* dst,
                                                          float* factors, const uint8_t* buffer, layout::BufferLayout l) {
   __shared__ uint2 tables[kNumFoldTables];
@@ -177,21 +182,14 @@ __global__ void __launch_bounds__(256) fold_mxfp4_kernel(const uint8_t* src, con
   const int64_t total = int64_t(rows) * groups;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int g = static_cast<int>(i / rows), row = static_cast<int>(i % rows);
-    const uint4* in = reinterpret_cast<const uint4*>(src + int64_t(row) * (k / 2) + g * 64);
-    uint32_t t[4], tmax = 0;
+    const uint4* data = reinterpret_cast<const uint4*>(src + int64_t(row) * (k / 2) + g * 64);
+    uint4 in[4], out[8];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) t[q] = __ldcg(src_sf + int64_t(4 * g + q) * l.pool_rows + row), tmax = max(tmax, t[q]);
-    uint32_t lo[4][4], hi[4][4];  // [quarter][step]
+    for (int q = 0; q < 4; ++q) in[q] = __ldcg(data + q);
+    const uint32_t tmax = fold_mxfp4_group(in, group_scales4(src_sf, g, l.pool_rows, row), tables, out);
+    uint4* folded = reinterpret_cast<uint4*>(dst + int64_t(row) * k + g * 128);
 #pragma unroll
-    for (int q = 0; q < 4; ++q)
-      fold_e2m1_quarter(__ldcg(in + q), tables, int(tmax - t[q]),
-                             [&](int s, uint32_t l, uint32_t h) { lo[q][s] = l, hi[q][s] = h; });
-    uint4* out = reinterpret_cast<uint4*>(dst + int64_t(row) * k + g * 128);
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      out[2 * s] = make_uint4(lo[0][s], lo[1][s], lo[2][s], lo[3][s]);
-      out[2 * s + 1] = make_uint4(hi[0][s], hi[1][s], hi[2][s], hi[3][s]);
-    }
+    for (int c = 0; c < 8; ++c) folded[c] = out[c];
     factors[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
   }
 }

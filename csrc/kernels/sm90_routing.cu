@@ -314,26 +314,16 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
         reinterpret_cast<float*>(dsf)[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
       }
     } else if constexpr (kFold == kFoldMXFP4) {
-      // A lane per 128-K group: its 4 chunks (one per 32-K quarter) and 4 scale bytes in, 8 folded chunks (chunk 2s /
-      // 2s + 1 takes quarter q's E4M3 words of K 8s .. + 3 / 8s + 4 .. + 7 as its word q) and one factor out.
+      // A lane per 128-K group: its 4 chunks (one per 32-K quarter) and 4 scale bytes in, 8 folded chunks and one
+      // factor out (fold_mxfp4_group).
       uint4* folded = reinterpret_cast<uint4*>(fold_dst + int64_t(row) * l.hidden);
       for (int g = lane; g < chunks / 4; g += 32) {
-        uint4 in[4];
+        uint4 in[4], out[8];
 #pragma unroll
         for (int q = 0; q < 4; ++q) in[q] = __ldcg(from + 4 * g + q);
-        const uint32_t scales4 = __ldcg(reinterpret_cast<const uint32_t*>(sf) + g);
-        uint32_t t[4], tmax = 0;
+        const uint32_t tmax = fold_mxfp4_group(in, __ldcg(reinterpret_cast<const uint32_t*>(sf) + g), tables, out);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) t[q] = (scales4 >> (8 * q)) & 0xFF, tmax = max(tmax, t[q]);
-        uint32_t lo[4][4], hi[4][4];  // [quarter][step]
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-          fold_e2m1_quarter(in[q], tables, int(tmax - t[q]), [&](int s, uint32_t a, uint32_t b) { lo[q][s] = a, hi[q][s] = b; });
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          folded[8 * g + 2 * s] = make_uint4(lo[0][s], lo[1][s], lo[2][s], lo[3][s]);
-          folded[8 * g + 2 * s + 1] = make_uint4(hi[0][s], hi[1][s], hi[2][s], hi[3][s]);
-        }
+        for (int c = 0; c < 8; ++c) folded[8 * g + c] = out[c];
         fold_factors[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
       }
     } else {
