@@ -3,8 +3,8 @@
     python benchmarks/fold_error.py [--experts 32 --hidden 1024 --intermediate 512 --tokens 256 --seeds 3]
                                     [--weight-fold 128 --weight-headroom 0]  (the kernels' fold until the thirtieth
                                                                               session; default: today's)
-                                    [--token-fold 256]  (tokens folded per 256 K: half the promotions; the kernels
-                                                         fold per 128)
+                                    [--token-fold 256,128]  (K per token fold exponent, L1's tokens and L2's; the
+                                                             default is the kernels': L1 promotes once per 256-K stage)
 
 Hopper has FP8 tensor cores but no FP4 ones. E2M1 x 2^d is an E4M3 value for every E2M1 code when
 0 <= d <= 8 (0.5 x 2^-8 = 2^-9 is E4M3's smallest subnormal), so an MXFP4 weight row can be decoded on chip to
@@ -61,15 +61,22 @@ def exact_activation(x: torch.Tensor, _recipe) -> torch.Tensor:
     return _EXACT_ACTIVATION(x, "fp8_ue8m0_32")
 
 
-TOKEN_FOLD = [FOLD_BLOCK]  # --token-fold: K per token fold exponent (the kernels': 128)
+TOKEN_FOLD = [256, FOLD_BLOCK]  # --token-fold: K per token fold exponent, L1's tokens and L2's (the kernels')
 
 
-def folded_activation(x: torch.Tensor, _recipe) -> torch.Tensor:
-    """Drop-in for reference.quantize_activation: the w4a8 recipe (per-32 UE8M0), folded per TOKEN_FOLD K."""
+def folded_activation(x: torch.Tensor, block: int) -> torch.Tensor:
+    """reference.quantize_activation's w4a8 recipe (per-32 UE8M0), folded per ``block`` K (K % block == 0, or the
+    last block shorter: the kernels' odd 128-K group count at 256)."""
     xf = x.to(torch.float32)
     q, sf = formats.quantize_fp8_ue8m0(xf, SCALE_BLOCK)
     scale = formats.ue8m0_to_float(sf)
-    return fold_e4m3(formats.dequantize_fp8(q, sf, SCALE_BLOCK), scale, TOKEN_FOLD[0])
+    v = formats.dequantize_fp8(q, sf, SCALE_BLOCK)
+    k = v.shape[-1]
+    if k % block:  # the whole blocks, then the rest as one block
+        cut = k - k % block
+        return torch.cat([fold_e4m3(v[..., :cut], scale[..., :cut // SCALE_BLOCK], block),
+                          fold_e4m3(v[..., cut:], scale[..., cut // SCALE_BLOCK:], k - cut)], dim=-1)
+    return fold_e4m3(v, scale, block)
 
 
 WEIGHT_FOLD = [0, 6]  # --weight-fold (0: one exponent per row for the whole K), --weight-headroom
@@ -103,7 +110,14 @@ def run(layer: dict, x, idx, w, fold_w: bool, fold_act: bool) -> torch.Tensor:
     else:
         w13, w2 = layer["w13"], layer["w2"]
         kw = dict(weight_format="mxfp4", act_format="fp8", w13_sf=layer["w13_sf"], w2_sf=layer["w2_sf"])
-    act = folded_activation if fold_act else exact_activation
+    calls = []
+
+    def folded(x, _recipe):  # the reference quantizes L1's tokens first, then L2's (per expert)
+        block = TOKEN_FOLD[1 if calls else 0]
+        calls.append(block)
+        return folded_activation(x, block)
+
+    act = folded if fold_act else exact_activation
     with mock.patch.object(reference, "quantize_activation", act):
         return reference.mega_moe(x, idx, w, w13, w2, **kw)
 
@@ -118,17 +132,21 @@ def main():
                          "thirtieth session)")
     ap.add_argument("--weight-headroom", type=int, default=WEIGHT_FOLD[1],
                     help="binades the folded weights may rise above E2M1's range (6: the kernels'; at most 6)")
-    ap.add_argument("--token-fold", type=int, default=TOKEN_FOLD[0], choices=(128, 256, 512),
-                    help="K per token fold exponent (128: the kernels'; 256 would halve the promotions per K)")
+    ap.add_argument("--token-fold", default=",".join(map(str, TOKEN_FOLD)),
+                    help="K per token fold exponent, L1's tokens and L2's, each 128, 256 or 512 (the kernels': 256,128; "
+                         "until the thirty-second session 128,128)")
     args = ap.parse_args()
-    TOKEN_FOLD[0] = args.token_fold
+    folds = [int(v) for v in args.token_fold.split(",")]
+    if len(folds) != 2 or any(v not in (128, 256, 512) for v in folds):
+        ap.error(f"--token-fold: expected two of 128 / 256 / 512 (L1,L2), got {args.token_fold!r}")
+    TOKEN_FOLD[:] = folds
     if not 0 <= args.weight_headroom <= 6:
         ap.error(f"--weight-headroom: expected 0 to 6 (6 x 2^6 = 384 <= 448, E4M3's largest), got {args.weight_headroom}")
     WEIGHT_FOLD[:] = [args.weight_fold, args.weight_headroom]
     e, h, i, k, t = args.experts, args.hidden, args.intermediate, args.top_k, args.tokens
     print(f"E={e} H={h} I={i} top-k={k} T={t}, {args.seeds} seeds, CPU; errors relative to the emulating reference; "
           f"weights folded per {args.weight_fold or 'row'} K (headroom 2^{args.weight_headroom}), activations per "
-          f"{TOKEN_FOLD[0]}")
+          f"{TOKEN_FOLD[0]} (L1) / {TOKEN_FOLD[1]} (L2) K")
     rows = []
     outliers = f"outlier channels ({args.outlier_fraction:.1%} x {args.outlier_scale:g})"
     gradient = f"K-gradient 0..{args.spread}"
