@@ -139,9 +139,8 @@ PATCHES = {
          "          for (int i = 0; i < kRegsW; ++i) acc[ls][i] += part[i];"),
     ],
     "fp4-no-mma": [
-        ("            MmaW::run(part, a8[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16),\n"
-         "                      s > 0 || !first);",
-         "            part[s] = __uint_as_float(a8[s][0] ^ a8[s][1] ^ a8[s][2] ^ a8[s][3]) + (s > 0 || !first ? part[s] : 0.0f);\n"
+        ("            MmaW::run(part, a8[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16), s > 0);",
+         "            part[s] = __uint_as_float(a8[s][0] ^ a8[s][1] ^ a8[s][2] ^ a8[s][3]) + (s > 0 ? part[s] : 0.0f);\n"
          "          for (int i = 4; i < kRegsW; ++i) part[i] = part[i % 4];"),
         ("          for (int s = 0; s < 8; ++s) ptx::WgmmaBF16RS<decltype(width)::value>::run(acc[ls], a[s], desc_b[s]);",
          "          for (int s = 0; s < 8; ++s) acc[ls][s] += __uint_as_float(a[s][0] ^ a[s][1] ^ a[s][2] ^ a[s][3] ^ uint32_t(desc_b[s]));"),

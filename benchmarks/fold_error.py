@@ -4,7 +4,7 @@
                                     [--weight-fold 128 --weight-headroom 0]  (the kernels' fold until the thirtieth
                                                                               session; default: today's)
                                     [--token-fold 256,128]  (K per token fold exponent, L1's tokens and L2's; the
-                                                             default is the kernels': L1 promotes once per 256-K stage)
+                                                             kernels': 128,128)
 
 Hopper has FP8 tensor cores but no FP4 ones. E2M1 x 2^d is an E4M3 value for every E2M1 code when
 0 <= d <= 8 (0.5 x 2^-8 = 2^-9 is E4M3's smallest subnormal), so an MXFP4 weight row can be decoded on chip to
@@ -61,7 +61,7 @@ def exact_activation(x: torch.Tensor, _recipe) -> torch.Tensor:
     return _EXACT_ACTIVATION(x, "fp8_ue8m0_32")
 
 
-TOKEN_FOLD = [256, FOLD_BLOCK]  # --token-fold: K per token fold exponent, L1's tokens and L2's (the kernels')
+TOKEN_FOLD = [FOLD_BLOCK, FOLD_BLOCK]  # --token-fold: K per token fold exponent, L1's tokens and L2's (the kernels')
 
 
 def folded_activation(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -133,8 +133,9 @@ def main():
     ap.add_argument("--weight-headroom", type=int, default=WEIGHT_FOLD[1],
                     help="binades the folded weights may rise above E2M1's range (6: the kernels'; at most 6)")
     ap.add_argument("--token-fold", default=",".join(map(str, TOKEN_FOLD)),
-                    help="K per token fold exponent, L1's tokens and L2's, each 128, 256 or 512 (the kernels': 256,128; "
-                         "until the thirty-second session 128,128)")
+                    help="K per token fold exponent, L1's tokens and L2's, each 128, 256 or 512 (the kernels': 128,128; "
+                         "256 would halve L1's promotions: measured and rejected, docs/perf-notes.md, thirty-second "
+                         "session)")
     args = ap.parse_args()
     folds = [int(v) for v in args.token_fold.split(",")]
     if len(folds) != 2 or any(v not in (128, 256, 512) for v in folds):

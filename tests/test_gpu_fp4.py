@@ -100,10 +100,10 @@ def test_mxfp4_fp8_mma_path(act_format, shape, num_tokens, monkeypatch):
 @pytest.mark.parametrize("block_m", ["16", "16-split", "32", "64"])
 @pytest.mark.parametrize("hidden,inter,spread", [(384, 256, 0), (640, 896, 3), (1024, 1024, 12)])
 def test_mxfp4_fp8_mma_gather_fold_equals_kernel_fold(block_m, hidden, inter, spread, monkeypatch):
-    """FP8-wgmma path with FP8 tokens: tokens folded before the kernel reads them (MEGAMOE_MXFP4_FOLD_TOKENS=1: L1's
-    per 256 K by the gather as it copies them, L2's per 128 K by L1's epilogue as it writes them; E4M3 rows in the
-    tile's order and one float factor per 128-K group) give the E4M3 tiles and factors the kernel's converters fold
-    (=0), so the outputs are bitwise equal: with every GEMM output poisoned before each call,
+    """FP8-wgmma path with FP8 tokens: tokens folded per 128-K group before the kernel reads them
+    (MEGAMOE_MXFP4_FOLD_TOKENS=1: L1's by the gather as it copies them, L2's by L1's epilogue as it writes them;
+    E4M3 rows in the tile's order and one float factor per group) give the E4M3 tiles and factors the kernel's
+    converters fold (=0), so the outputs are bitwise equal: with every GEMM output poisoned before each call,
     experts of 1-100 rows and one empty, block_m 16 (also with split K of the last round) / 32 / 64, partial L1
     and L2 stages (hidden 384, 640; intermediate 896), several tiles per CTA, and the scales of both GEMMs' tokens
     spread over about 2^0..2^spread within each 128-K group (12: past E4M3's range, so the fold rounds)."""
@@ -137,48 +137,45 @@ def test_mxfp4_fp8_mma_gather_fold_equals_kernel_fold(block_m, hidden, inter, sp
     assert rel_err(gather_fold, case.ref) <= 5e-2
 
 
-def fold_rows_256k(x8: torch.Tensor, sf: torch.Tensor):
+def fold_rows(x8: torch.Tensor, sf: torch.Tensor):
     """The gather's fold of FP8 tokens (E4M3 rows x8 [R, H] uint8, UE8M0 per 32 sf [R, H / 32] uint8) for L1, in
-    torch: each 256-K group (an odd last 128-K group alone) scaled to T, its largest scale, value x 2^-(T - t) rounded
-    to E4M3 (nearest even; 2^-d for d >= 127 is 0), bytes in the kernel's tile order per 128-K group (16-byte chunk c,
-    word q = quarter q's K 4c .. 4c + 3), and one float factor 2^(T - 127) per 128-K group: [H / 128, R]."""
+    torch: each 128-K group scaled to T, its largest scale, value x 2^-(T - t) rounded to E4M3 (nearest even; 2^-d for
+    d >= 127 is 0), bytes in the kernel's tile order (16-byte chunk c, word q = quarter q's K 4c .. 4c + 3), and one
+    float factor 2^(T - 127) per group: [H / 128, R]."""
     r, h = x8.shape
     g = h // 128
     t = sf.to(torch.int64).view(r, g, 4)
-    gmax = t.amax(-1)
-    pair = torch.nn.functional.pad(gmax, (0, g % 2)).view(r, -1, 2).amax(-1).repeat_interleave(2, dim=1)[:, :g]
-    d = (pair[..., None] - t).to(torch.float64)
+    tmax = t.amax(-1)
+    d = (tmax[..., None] - t).to(torch.float64)
     f = torch.where(d >= 127, torch.zeros_like(d), torch.exp2(-d)).to(torch.float32)
     vals = x8.view(torch.float8_e4m3fn).to(torch.float32).view(r, g, 4, 32)
     folded = (vals * f[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
     tiles = folded.view(r, g, 4, 8, 4).permute(0, 1, 3, 2, 4).reshape(r, h)
-    factors = torch.exp2((pair - 127).to(torch.float64)).to(torch.float32).t()
-    return tiles, factors, bool((pair != gmax).any())
+    factors = torch.exp2((tmax - 127).to(torch.float64)).to(torch.float32).t()
+    return tiles, factors
 
 
-@pytest.mark.parametrize("hidden,inter", [(640, 384), (1024, 256)])
-def test_mxfp4_w4a8_gather_folds_per_256k(hidden, inter, monkeypatch):
-    """L1's FP8 tokens on the FP8-wgmma path are folded by the gather per 256 K (the kernel's stage, promoted once:
-    kStagePromo): the dispatch rows and factors it leaves in the buffer equal a torch model of that fold bit for bit
-    (fold_rows_256k), for hidden 640 (an odd 128-K group count: the last group alone) and 1024, with each 256-K
-    group's halves 2^6 apart (so the pair's scale shifts the smaller half) and every pool row checked."""
+@pytest.mark.parametrize("hidden,inter,spread", [(640, 384, 12), (1024, 256, 4)])
+def test_mxfp4_w4a8_gather_fold_bits(hidden, inter, spread, monkeypatch):
+    """L1's FP8 tokens on the FP8-wgmma path, folded by the gather per 128-K group: the dispatch rows and factors it
+    leaves in the buffer equal a torch model of the fold bit for bit (fold_rows), for every pool row, hidden 640 (a
+    partial stage) and 1024, with each group's four quarter scales about 2^0..2^spread apart (12: past E4M3's range,
+    so the fold rounds and flushes)."""
     rows = [5, 0, 17, 40, 3, 64, 1, 9]
     case = case_with_rows(rows, hidden, inter, "mxfp4", "fp8", seed=707 + hidden, routing_seed=708)
-    half = torch.arange(hidden, device="cuda") // 128 % 2
     quarter = torch.arange(hidden, device="cuda") // 32 % 4
-    case.x = (case.x.float() * torch.exp2(6.0 * half + quarter.float())).to(case.x.dtype)
+    case.x = (case.x.float() * torch.exp2(quarter.float() * spread / 3)).to(case.x.dtype)
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
     monkeypatch.setenv("MEGAMOE_MXFP4_FOLD_TOKENS", "1")
     y = run_poisoned(case)
     assert torch.isfinite(y).all()
-    buf, lay, num_rows = case.buffer, case.buffer.layout, sum(rows)
-    t = case.x.shape[0]
+    buf, lay, num_rows, t = case.buffer, case.buffer.layout, sum(rows), case.x.shape[0]
     x8 = buf.view("x", (t, hidden), torch.uint8)
     sf = buf.view("x_sf", (t, hidden // 32), torch.uint8)
     token = buf.view("pool_src", (num_rows,), torch.int32).to(torch.int64)  # top-1, one rank: the token itself
     assert sorted(token.tolist()) == list(range(t))
-    want_rows, want_factors, shifted = fold_rows_256k(x8[token], sf[token])
-    assert shifted  # the pair's scale is above one half's: the test can tell 256 K from 128 K
+    want_rows, want_factors = fold_rows(x8[token], sf[token])
+    assert (sf.to(torch.int64).view(t, -1, 4).amax(-1, keepdim=True) - sf.view(t, -1, 4).to(torch.int64)).max() >= spread - 1
     got_rows = buf.view("dispatch_x", (lay["pool_rows"], hidden), torch.uint8)[:num_rows]
     got_factors = buf.view("dispatch_sf", (hidden // 128, lay["pool_rows"]), torch.float32)[:, :num_rows]
     assert torch.equal(got_rows, want_rows)

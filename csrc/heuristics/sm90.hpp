@@ -190,9 +190,8 @@ inline bool choose_mxfp4_fp8_mma() {
   return true;
 }
 
-// FP8-wgmma path (MXFP4 weights) with FP8 tokens: the gather folds L1's tokens per 256-K group (L1 promotes once per
-// stage; one factor per 128-K group, a pair's two equal) as it copies them, and L1's epilogue writes L2's input folded
-// per 128-K group, instead of every tile's converter warps folding
+// FP8-wgmma path (MXFP4 weights) with FP8 tokens: the gather folds L1's tokens per 128-K group (one factor each) as it
+// copies them, and L1's epilogue writes L2's input folded the same way, instead of every tile's converter warps folding
 // its tokens again (launch_gather's fold, Params::fold_output). Same folded values, so the same bits.
 // MEGAMOE_MXFP4_FOLD_TOKENS=0 (read per call) folds in the kernel (both GEMMs).
 // NOTES: H100, 2026-11-26, MXFP4 w4a8 forced onto the FP8-wgmma path, 1 round, per replay, over the BF16 path (then

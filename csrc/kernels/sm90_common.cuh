@@ -257,24 +257,13 @@ __device__ __forceinline__ uint32_t fold_quarter_word(uint32_t w, int d) {
   return d == 0 ? w : fold_e4m3x4(w, f);
 }
 
-// L1's tokens fold per 256 K (a stage of the FP4 kernel: one promotion per stage, kStagePromo there): T is the largest
-// UE8M0 scale of the group pair (2m, 2m + 1). A lane folding group g gets the other group's largest scale from lane ^
-// `pair_lane` (scales4: the group's four scale bytes, 0 for a group past the row's K: an odd group count leaves the
-// last group alone). The gather (pair_lane 1) and the converters (fold_token_unit: 4) both take T from it.
-__device__ __forceinline__ uint32_t fold_pair_floor(uint32_t scales4, int pair_lane) {
-  const uint32_t m = max(max(scales4 & 0xFF, (scales4 >> 8) & 0xFF), max((scales4 >> 16) & 0xFF, scales4 >> 24));
-  return __shfl_xor_sync(0xffffffffu, m, pair_lane);
-}
-
 // One 128-K group of an FP8 (E4M3, UE8M0 per 32) token row folded for the FP8-wgmma FP4 path: quarter q's values x
 // 2^-(T - t_q), T the largest of the four scales, so that one factor 2^(T - 127) per group scales them all (rounded
 // where a value falls below E4M3's range relative to T). `in`: the group's 128 bytes in K order; `out`: the same
 // bytes in the kernel's E4M3 tile order (16-byte chunk c, word q = quarter q's word c: the wgmma K order, file
-// comment of sm90_fp4_grouped_gemm.cuh). `floor`: a lower bound for T (L1's tokens fold per 256 K: the other 128-K
-// group's largest scale, fold_pair_floor; 0 for L2's per-128-K folds). Returns T.
-__device__ __forceinline__ uint32_t fold_fp8_group(const uint4 (&in)[8], uint32_t scales4, uint4 (&out)[8],
-                                                   uint32_t floor = 0) {
-  uint32_t t[4], tmax = floor;
+// comment of sm90_fp4_grouped_gemm.cuh). Returns T.
+__device__ __forceinline__ uint32_t fold_fp8_group(const uint4 (&in)[8], uint32_t scales4, uint4 (&out)[8]) {
+  uint32_t t[4], tmax = 0;
 #pragma unroll
   for (int q = 0; q < 4; ++q) t[q] = (scales4 >> (8 * q)) & 0xFF, tmax = max(tmax, t[q]);
   uint32_t o[8][4];
@@ -342,11 +331,11 @@ __device__ __forceinline__ void fold_e2m1_quarter(uint4 raw, const uint2* tables
 
 // One 128-K group of an MXFP4 token row (its 4 quarters of 16 bytes, UE8M0 scale bytes in scales4, quarter q in byte q)
 // folded as fold_fp8_group folds FP8 ones: `out` holds the group's E4M3 bytes in the kernel's tile order (chunk 2s /
-// 2s + 1, word q: quarter q's K 8s .. + 3 / 8s + 4 .. + 7). Returns T, the largest scale (at least `floor`, as
-// fold_fp8_group). The gather's fold and launch_fold_mxfp4 both fold through this (and the converters through fold_e2m1_quarter): the same bits.
+// 2s + 1, word q: quarter q's K 8s .. + 3 / 8s + 4 .. + 7). Returns T, the largest scale. The gather's fold and
+// launch_fold_mxfp4 both fold through this (and the converters through fold_e2m1_quarter): the same bits.
 __device__ __forceinline__ uint32_t fold_mxfp4_group(const uint4 (&in)[4], uint32_t scales4, const uint2* tables,
-                                                     uint4 (&out)[8], uint32_t floor = 0) {
-  uint32_t t[4], tmax = floor;
+                                                     uint4 (&out)[8]) {
+  uint32_t t[4], tmax = 0;
 #pragma unroll
   for (int q = 0; q < 4; ++q) t[q] = (scales4 >> (8 * q)) & 0xFF, tmax = max(tmax, t[q]);
   uint32_t lo[4][4], hi[4][4];  // [quarter][step]

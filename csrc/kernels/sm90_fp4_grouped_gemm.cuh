@@ -43,14 +43,13 @@
 // largest of its UE8M0 scales over the whole K (transform_weights' row exponents, Params::weights_row_exp); each 32-K
 // sub-block's weights are decoded to the E4M3 bytes of e2m1 x 2^(6 - (E - e_j)) by one PRMT table lookup per 4 weights
 // (exact while E - e_j <= 14, rounded to nearest even past that: kFoldHeadroom), the converters fold the tokens into an
-// E4M3 tile relative to each group's largest scale (x x 2^-(T - t_j), T the token's largest scale of the 128-K group,
-// in L1 of the 256-K stage: fold_pair_floor, kStagePromo;
+// E4M3 tile relative to each group's largest scale (x x 2^-(T - t_j), T the token's largest scale of the 128-K group;
 // FP8 tokens arrive folded instead, L1's by the gather and L2's by L1's epilogue (at block_m 128 by launch_pool_fold),
 // heuristics::fp4_folded_tokens, and so do MXFP4 tokens into a workspace (the converters' fold; L2's after a block_m
 // 128 L1 by launch_fold_mxfp4), heuristics::fp4_fold_mxfp4_tokens: the wgmmas read the stage's token tile as the TMA
 // left it), four k32 wgmmas per
-// group (as wide as the tile's rows: 16 / 32 / 48 / 64; block_m 128 also 96 / 128) go into a partial accumulator (in L1
-// both groups of a stage: eight), and the promotion adds it times 2^(T - 127) (one FFMA per accumulator); the rows' 2^(E - 133) multiply the accumulators
+// group (as wide as the tile's rows: 16 / 32 / 48 / 64; block_m 128 also 96 / 128) go into a partial accumulator, and
+// the promotion adds it times 2^(T - 127) (one FFMA per accumulator); the rows' 2^(E - 133) multiply the accumulators
 // once, after the tile's K. Where a row's scales span at most 8 binades this gives the bits of the fold relative to
 // each 128-K group's largest scale (until the thirtieth session; every step is exact or scales by a power of two).
 // Half the wgmma instructions of the BF16 path at twice the tensor rate, 1.25 decode instructions per weight instead
@@ -397,18 +396,14 @@ __device__ __forceinline__ void decode_weights_e4m3(uint32_t (&a8)[4][4], const 
 // wgmma K order (k32 step s: column 4q + i <- K 32q + 8s + i, column 16 + 4q + i <- 32q + 8s + 4 + i) into the
 // 128B-swizzled K-major tile [2 groups][kBlockM rows][128 bytes]. The four lanes q of (n, g) agree on T (the
 // largest of their scales; all 32 lanes shuffle, `active` only gates the stores); lane q = 0 stores 2^(T - 127)
-// in factors[g][n]. kPair (L1: one promotion per 256-K stage, kStagePromo): T over the stage's two groups (lane ^ 4
-// holds (n, 1 - g); `in_k`: g is within the row's K, else its stale scales count as 0), as the gather's fold pairs
-// them (fold_pair_floor). FP8 tokens: the gather's fold (fold_fp8_group), both through fold_quarter_word
-// (sm90_common.cuh; bit-equality: test_mxfp4_fp8_mma_gather_fold_equals_kernel_fold).
-template <int kBlockM, ActRecipe kRecipe, bool kPair>
+// in factors[g][n]. FP8 tokens: the gather's fold (fold_fp8_group), both through fold_quarter_word (sm90_common.cuh;
+// bit-equality: test_mxfp4_fp8_mma_gather_fold_equals_kernel_fold).
+template <int kBlockM, ActRecipe kRecipe>
 __device__ __forceinline__ void fold_token_unit(const uint8_t* raw, const uint8_t* sfa, uint8_t* tile8, float* factors,
-                                                const uint2* tables, int n, int g, int q, bool in_k, bool active) {
+                                                const uint2* tables, int n, int g, int q, bool active) {
   const uint32_t t = sfa[(4 * g + q) * (kBlockM + 4) + n];
-  const uint32_t t_in_k = kPair && !in_k ? 0u : t;
-  uint32_t tmax = max(t_in_k, __shfl_xor_sync(0xffffffffu, t_in_k, 1));
+  uint32_t tmax = max(t, __shfl_xor_sync(0xffffffffu, t, 1));
   tmax = max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
-  if constexpr (kPair) tmax = max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 4));
   if (!active) return;
   const int d = static_cast<int>(tmax - t);
   const int sw = n % 8;
@@ -487,11 +482,6 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   static_assert(!kFP8Mma || !kNV, "the FP8-wgmma path is for MXFP4 weights (NVFP4 scales are not powers of two)");
   using MmaFP8 = ptx::WgmmaFP8RS<kFP8Mma ? kCols : 16>;
   static_assert(!kFP8Mma || MmaFP8::kNumRegs == kRegs, "one accumulator layout for both paths");
-  // FP8-wgmma L1: the tokens fold per 256 K (a stage; the gather's and the converters' fold, fold_pair_floor), so a
-  // slice's partial takes both 128-K groups' wgmmas and is promoted once per stage. L2's input folds per 128 K (L1's
-  // epilogue holds one 128-K group of it), so L2 promotes per group. NOTES: probe_fp4.py fp8-ffma256 (128 x 128, H100,
-  // 2026-11-26): 1,877 cycles per 4M MACs against 2,182 promoting per group (-14 %).
-  constexpr bool kStagePromo = kFP8Mma && kIsL1;
 
   extern __shared__ uint8_t smem_raw[];
   // Offset arithmetic on the __shared__ array (not an integer round trip) keeps the address space known to
@@ -799,9 +789,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             constexpr bool live = true;
 #endif
             if constexpr (kFP8Mma) {
-              fold_token_unit<kCols, kRecipe, kStagePromo>(tile_b(stage), tile_sa(stage) + (row0 & 3), bf,
-                                                           reinterpret_cast<float*>(bf + 2 * kCols * 128), fold_tables,
-                                                           n, g, uq, g < groups, g < groups && live);
+              fold_token_unit<kCols, kRecipe>(tile_b(stage), tile_sa(stage) + (row0 & 3), bf,
+                                              reinterpret_cast<float*>(bf + 2 * kCols * 128), fold_tables, n, g, uq,
+                                              g < groups && live);
             } else if (g < groups && live) {
               convert_token_unit<kCols, kRecipe>(tile_b(stage), tile_sa(stage) + (row0 & 3), bf, n, g, uq);
             }
@@ -1024,16 +1014,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       constexpr int kW = decltype(width)::value;
       using MmaW = ptx::WgmmaFP8RS<kW>;
       constexpr int kRegsW = MmaW::kNumRegs;
-        float part[kRegsW];  // kStagePromo: one slice's partial over the stage's groups
-        float fc[kW / 4];
 #pragma unroll
         for (int j = 0; j < 2 * kSlices; ++j) {
-          // kStagePromo: slice-major (a slice's two groups back to back into one partial); else group-major.
-          const int g = kStagePromo ? j % 2 : j / kSlices, ls = kStagePromo ? j / 2 : j % kSlices;
-          if (g >= groups) {
-            if constexpr (kStagePromo) continue;
-            else break;
-          }
+          const int g = j / kSlices, ls = j % kSlices;
+          if (g >= groups) break;
           // Every wgmma of the previous stage has finished (each group waits for its own below).
           if (!kFoldedOnly && j == 0 && kb > u.kb_begin) {
             __syncwarp();
@@ -1042,15 +1026,13 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           uint32_t a8[4][4];  // k32 step s: word s of the 16 bytes (K 32q + 8s .. + 7)
           decode_weights_e4m3(a8, tile_a(stage), tile_sw(stage), fold_tables, (kSlices * consumer + ls) * 64 + quad_row,
                               g, q, row_exp[ls][0], row_exp[ls][1]);
-          // Folded tokens: the stage's own token tile and factors; else the converters' E4M3 tile and factors. Per
-          // stage (kStagePromo) the two groups' factors are equal: group 0's.
-          const bool first = !kStagePromo || g == 0, last = !kStagePromo || g == groups - 1;
-          if (first) {
-            const float* factors =
-                reinterpret_cast<const float*>(folded ? tile_sa(stage) : bf + 2 * kCols * 128) + g * kCols;
+          // Folded tokens: the stage's own token tile and factors; else the converters' E4M3 tile and factors.
+          const float* factors =
+              reinterpret_cast<const float*>(folded ? tile_sa(stage) : bf + 2 * kCols * 128) + g * kCols;
+          float fc[kW / 4];
 #pragma unroll
-            for (int jj = 0; jj < kW / 4; ++jj) fc[jj] = factors[8 * (jj / 2) + 2 * q + (jj % 2)];
-          }
+          for (int jj = 0; jj < kW / 4; ++jj) fc[jj] = factors[8 * (jj / 2) + 2 * q + (jj % 2)];
+          float part[kRegsW];
 #pragma unroll
           for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -1060,15 +1042,13 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           ptx::wgmma_fence();
 #pragma unroll
           for (int s = 0; s < 4; ++s)
-            MmaW::run(part, a8[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16),
-                      s > 0 || !first);
+            MmaW::run(part, a8[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16), s > 0);
           ptx::wgmma_commit();
           // NOTES: waiting here (not before the next decode) keeps the promotion's accumulator index a
           // compile-time constant; the warp would wait before its next decode anyway (register-A wgmmas).
           ptx::wgmma_wait<0>();
 #pragma unroll
           for (int i = 0; i < kRegsW; ++i) ptx::fence_operand(part[i]);
-          if (!last) continue;
           // The tokens' factors only: the weights' (their rows', constant along K) multiply after the tile's K.
 #pragma unroll
           for (int i = 0; i < kRegsW; ++i) acc[ls][i] = fmaf(part[i], fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);

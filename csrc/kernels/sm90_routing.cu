@@ -237,9 +237,9 @@ constexpr int kSfPerLane = 4;  // scale elements a lane loads with its row (FP8:
 // One warp per pool row: the token's packed row (16 bytes a lane), its scales (K-block-major:
 // `sf_elems` elements of `sf_elem_bytes` each), its top-k weight and, for NVFP4 activations, its global
 // scale, read from the buffer of the rank that owns the token (NVLink loads for a peer).
-// kFold (tokens for the FP8-wgmma FP4 path): each 256-K group (two 128-K groups: L1's stage, which the kernel promotes
-// once) is folded to one scale as it is copied, E4M3 values in the kernel's tile order, then float factors [k / 128,
-// pool_rows] (a pair's two equal), so that the L1 GEMM multiplies the rows as they land, with no conversion of its own. FP8 tokens (kFoldFP8: fold_fp8_group) in place of the rows and their UE8M0
+// kFold (tokens for the FP8-wgmma FP4 path): each 128-K group is folded to one scale as it is copied, E4M3 values
+// in the kernel's tile order, then float factors [k / 128, pool_rows], so that the L1 GEMM multiplies the rows as they
+// land, with no conversion of its own. FP8 tokens (kFoldFP8: fold_fp8_group) in place of the rows and their UE8M0
 // bytes; MXFP4 tokens (kFoldMXFP4: fold_e2m1_quarter, the converters' fold) into E4M3 rows of `hidden` bytes at
 // fold_dst and factors at fold_factors (the packed rows and their scales are not copied).
 // The folding builds hold a group's words in and out per lane: 2 blocks per SM (128 registers), not 4.
@@ -303,42 +303,25 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
       if (has_global_sf) global_sf = __ldcg(reinterpret_cast<const float*>(peer + l.x_global_sf_offset) + token);
     }
     if constexpr (kFold == kFoldFP8) {
-      // A lane per 128-K group: its 8 chunks and 4 scale bytes in, the folded chunks and one factor out. T over the
-      // group pair (lanes 2m, 2m + 1: L1 promotes once per 256 K, fold_pair_floor), so the whole warp runs each round.
-      const int groups = chunks / 8;
-      for (int g0 = 0; g0 < groups; g0 += 32) {
-        const int g = g0 + lane;
+      // A lane per 128-K group: its 8 chunks and 4 scale bytes in, the folded chunks and one factor out.
+      for (int g = lane; g < chunks / 8; g += 32) {
         uint4 in[8], out[8];
-        uint32_t scales4 = 0;
-        if (g < groups) {
 #pragma unroll
-          for (int c = 0; c < 8; ++c) in[c] = __ldcg(from + 8 * g + c);
-          scales4 = __ldcg(reinterpret_cast<const uint32_t*>(sf) + g);
-        }
-        const uint32_t floor = fold_pair_floor(scales4, 1);
-        if (g >= groups) continue;
-        const uint32_t tmax = fold_fp8_group(in, scales4, out, floor);
+        for (int c = 0; c < 8; ++c) in[c] = __ldcg(from + 8 * g + c);
+        const uint32_t tmax = fold_fp8_group(in, __ldcg(reinterpret_cast<const uint32_t*>(sf) + g), out);
 #pragma unroll
         for (int c = 0; c < 8; ++c) to[8 * g + c] = out[c];
         reinterpret_cast<float*>(dsf)[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
       }
     } else if constexpr (kFold == kFoldMXFP4) {
       // A lane per 128-K group: its 4 chunks (one per 32-K quarter) and 4 scale bytes in, 8 folded chunks and one
-      // factor out (fold_mxfp4_group), T over the group pair as above.
+      // factor out (fold_mxfp4_group).
       uint4* folded = reinterpret_cast<uint4*>(fold_dst + int64_t(row) * l.hidden);
-      const int groups = chunks / 4;
-      for (int g0 = 0; g0 < groups; g0 += 32) {
-        const int g = g0 + lane;
+      for (int g = lane; g < chunks / 4; g += 32) {
         uint4 in[4], out[8];
-        uint32_t scales4 = 0;
-        if (g < groups) {
 #pragma unroll
-          for (int q = 0; q < 4; ++q) in[q] = __ldcg(from + 4 * g + q);
-          scales4 = __ldcg(reinterpret_cast<const uint32_t*>(sf) + g);
-        }
-        const uint32_t floor = fold_pair_floor(scales4, 1);
-        if (g >= groups) continue;
-        const uint32_t tmax = fold_mxfp4_group(in, scales4, tables, out, floor);
+        for (int q = 0; q < 4; ++q) in[q] = __ldcg(from + 4 * g + q);
+        const uint32_t tmax = fold_mxfp4_group(in, __ldcg(reinterpret_cast<const uint32_t*>(sf) + g), tables, out);
 #pragma unroll
         for (int c = 0; c < 8; ++c) folded[8 * g + c] = out[c];
         fold_factors[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
