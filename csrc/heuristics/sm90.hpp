@@ -305,6 +305,21 @@ inline int64_t fp4_expected_rows(int64_t num_tokens, int64_t top_k, int64_t num_
   const int64_t slots = num_tokens * top_k;
   return slots <= num_experts ? 1 : (slots + num_experts - 1) / num_experts;
 }
+// The FP4 kernels' static walk (CTA b takes units b, b + grid, ...) rotates each round's tiles by the round index
+// (split_unit) where some expert likely holds more than one token block (mean + one standard deviation past the
+// block's rows, tail rows included): token blocks are innermost and the grid (132) is a multiple of 2, 3 and 4, so
+// without it every CTA takes the same token block of each expert (the even CTAs every full block, the odd ones every
+// short last block at 2 blocks) and half the grid idles at the end. The same tiles run either way (the same bits).
+// NOTES: H100 A/B (2026-11-26, 2 rounds, w4a8, rotation at every token count, over main's, per replay / in a graph;
+// docs/bench/h100-2026-11-26m-ab-fp4-rotate-rounds.json): where experts have several blocks: MXFP4 V4-Flash 8192
+// (192 rows, block_m 128) 0.933 / 0.951, V4-Pro 8192 (128) 0.938 / 0.937, V4-Flash 6144 (144, block_m 64) 0.987 /
+// 0.996; NVFP4 V4-Flash 4096 (96, block_m 64) 0.924 / 0.936, V4-Pro 4096 (64) 0.934 / 0.969, 6144 0.923 / 0.933, 8192
+// 0.966 / 0.967, V4-Flash 6144 0.989 / 0.991, 8192 1.008 / 0.990. Where every expert holds one block: MXFP4 V4-Flash
+// 4096 (96 rows, block_m 128) 1.069 / 0.996, V4-Pro 4096 (64) 1.018 / 1.008, V4-Pro 6144 (96) 0.985 / 0.989, T = 1 /
+// 512 1.00-1.01: not rotated there.
+inline bool fp4_rotate_rounds(int64_t expected_rows, int block_m, int tail_rows) {
+  return double(expected_rows) + std::sqrt(double(expected_rows)) > double(block_m + tail_rows);
+}
 // Token scales per stage: one row per 16- or 32-K block (16 rows for NVFP4 activations, 8 otherwise) of
 // cols + 4 bytes (the 4-byte aligned window cp.async copies around the tile's first row).
 constexpr int fp4_act_sf_bytes(int cols, bool act_fp4) { return fp4_round_1k((act_fp4 ? 16 : 8) * (cols + 4)); }

@@ -87,6 +87,8 @@ struct Fp4GroupedGemmArgs {
   // The routing's tail rows (heuristics::fp4_tail_rows): > 0 launches the wide-tail build (an expert's last block of up
   // to block_m + tail_rows rows). It must be what launch_routing got, for both GEMMs.
   int tail_rows = 0;
+  // Whole tiles rotated per round among the CTAs (heuristics::fp4_rotate_rounds; any assignment gives the same bits).
+  bool rotate_rounds = false;
   // The FP8-wgmma path with FP8 tokens (heuristics::fp4_folded_tokens): the tokens arrive folded (L1: launch_gather's
   // fold; L2: L1's epilogue with fold_output, or at block_m 128 launch_pool_fold, whose factors are a per-call tensor):
   // acts_sf holds float factors [k / 128, pool_rows] and the rows are in the kernel's E4M3 tile order.

@@ -33,6 +33,7 @@ void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, co
   p.split_counters = args.split_counters;
   p.folded_tokens = args.folded_tokens;
   p.fold_output = args.fold_output;
+  p.rotate_rounds = args.rotate_rounds;
   p.fold_out = args.fold_out;
   p.fold_out_factors = args.fold_out_factors;
   if (args.out_fp4 && args.fold_output && (args.fold_out == nullptr || args.fold_out_factors == nullptr))

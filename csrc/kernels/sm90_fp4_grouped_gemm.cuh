@@ -143,6 +143,7 @@ struct Params {
   // L1 on the FP8-wgmma path with FP8 tokens: the epilogue writes L2's input folded as the gather writes L1's, and L2
   // runs with folded_tokens. (Here, in the padding before `partials`: the other fields keep their offsets.)
   bool fold_output;
+  bool rotate_rounds;   // whole tiles: round r's tiles rotated by r among the CTAs (split_unit)
   float* partials;      // [split_round units][kSlices * kRegs][consumer threads]: each split unit's accumulators
   int* split_counters;  // [split_round / 2]: a split tile's units that have finished; zero at launch (gather zeroes it)
   // FP8-wgmma path: [E * n] each weight row's largest UE8M0 scale over the whole K (transform_weights), the exponent its
@@ -184,9 +185,23 @@ __device__ __forceinline__ SplitPlan split_plan(int num_tiles, int round, int nu
 struct SplitUnit {
   int tile, split, kb_begin, kb_end;  // split < 0: a whole tile
 };
+// Whole tiles: CTA b runs units b, b + grid, ... (round r = unit / grid); with `rotate` (Params::rotate_rounds,
+// heuristics::fp4_rotate_rounds) round r's tiles are rotated by r among its CTAs: unit r grid + b is tile
+// r grid + (b + r) mod (the round's whole tiles). Each round still holds the same tiles
+// (the weight and token blocks a wave shares in L2), but a CTA no longer takes the same token block of every expert.
+// NOTES: without it CTA b took tiles b + r grid; token blocks are innermost (decode_tile_warp) and an expert's tiles
+// start at a multiple of its n-blocks, so with the grid (132) a multiple of the experts' token-block count (2, 3, 4)
+// each CTA took the same token block throughout: at V4-Flash T=8192 (MXFP4, block_m 128, ~192 rows per expert) the even
+// CTAs ran every full 128-row tile and the odd CTAs every ~64-row one (H100 tile trace, 2026-11-26: L1 23.8 against
+// ~21 us per tile, L2 13.3 against ~11), and the odd half idled at the end of each GEMM.
 template <bool kSplitK>
-__device__ __forceinline__ SplitUnit split_unit(int unit, const SplitPlan& plan, int num_kblocks) {
-  if (!kSplitK || unit < plan.whole) return {unit, -1, 0, num_kblocks};
+__device__ __forceinline__ SplitUnit split_unit(int unit, const SplitPlan& plan, int num_kblocks, bool rotate) {
+  if (!kSplitK || unit < plan.whole) {
+    if (!rotate) return {unit, -1, 0, num_kblocks};
+    const int grid = static_cast<int>(gridDim.x), r = unit / grid, pos = unit - r * grid;
+    const int round_tiles = min(grid, plan.whole - r * grid);  // > pos: unit < plan.whole
+    return {r * grid + (pos + r) % round_tiles, -1, 0, num_kblocks};
+  }
   const int r = unit - plan.whole, s = plan.splits;
   SplitUnit u;
   u.tile = plan.whole + r / s, u.split = r % s;
@@ -561,7 +576,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     // 5-6 us (H100 tile trace, 2026-11-26); with this, H100 A/B (V4-Flash, every FP4 format pair, 1 round,
     // docs/bench/h100-2026-11-26-ab-fp4-early-weights.json): T=1 -2 to -7 %, T=16 -2 to -4 % per replay and in a
     // graph; T=128 / 2048 within the run's noise.
-    const SplitUnit first_unit = split_unit<kSplitK>(blockIdx.x, plan, num_kblocks);
+    const SplitUnit first_unit = split_unit<kSplitK>(blockIdx.x, plan, num_kblocks, p.rotate_rounds);
     const int early = blockIdx.x < num_units ? min(kNumStages, first_unit.kb_end - first_unit.kb_begin) : 0;
     // The whole TMA warp finds each tile (decode_tile_warp: 3 L2 round trips, as the FP8 producer, instead of
     // a serial binary search's ~10 dependent loads); lane 0 issues.
@@ -613,7 +628,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       if (lane == 0) ptx::launch_dependents();
       for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
         const bool is_first = unit == blockIdx.x;
-        const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks);
+        const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks, p.rotate_rounds);
         const TileInfo t = is_first ? first : claim(u.tile);
         if (lane != 0) continue;  // lanes 1-31 take part in the search only
         const int weight_row = t.expert * p.n + t.n_block * kTileN;
@@ -714,7 +729,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       uint32_t phase = 0;
       for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
         const bool is_first = unit == blockIdx.x;
-        const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks);
+        const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks, p.rotate_rounds);
         const TileInfo t = is_first ? first : decode_tile_warp(u.tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
         for (int kb = u.kb_begin; kb < u.kb_end; ++kb) {
           if (!is_first || kb - u.kb_begin >= early) {
@@ -758,7 +773,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       int stage = 0, b = 0;
       uint32_t phase = 0, bphase = 0;
       for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
-        const SplitUnit su = split_unit<kSplitK>(unit, plan, num_kblocks);
+        const SplitUnit su = split_unit<kSplitK>(unit, plan, num_kblocks, p.rotate_rounds);
         int row0 = 0, units = kCols * 8;
 #ifdef MEGAMOE_POISON_STALE_COLUMNS
         int rows = kCols;
@@ -855,7 +870,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   const uint32_t bf_tiles_desc_lo = ptx::smem_desc_sw128_lo(bf_tiles);
 
   for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
-    const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks);
+    const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks, p.rotate_rounds);
     TileInfo t;  // read with the tile's first stage
     // The epilogue's inputs (final: the weights' scales, and outputs of earlier kernels, which the consumers waited for
     // at their start): the float32 factors (the expert's NVFP4 weight global scale x the rows' NVFP4 token global

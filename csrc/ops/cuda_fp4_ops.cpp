@@ -157,6 +157,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   g1.fast_math = fast_math;
   g1.fp8_mma = fp8_mma;
   g1.tail_rows = tail_rows;
+  g1.rotate_rounds = heuristics::fp4_rotate_rounds(expected_rows, cfg.block_m, tail_rows);  // L2 too (g2 = g1)
   g1.split_round = round1;
   g1.partials = partials;
   g1.split_counters = counters;
