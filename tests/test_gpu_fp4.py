@@ -182,6 +182,33 @@ def test_mxfp4_w4a8_gather_fold_bits(hidden, inter, spread, monkeypatch):
     assert torch.equal(got_factors, want_factors)
 
 
+@pytest.mark.parametrize("weight_format,block_m,rows_per_expert,experts", [
+    ("mxfp4", "128", 200, 12), ("mxfp4", "64", 100, 30), ("nvfp4", "64", 100, 30), ("mxfp4", "16-split", 20, 30),
+    ("nvfp4", "16-split", 20, 30)])
+def test_rotated_rounds_equal_static_walk(weight_format, block_m, rows_per_expert, experts, monkeypatch):
+    """The FP4 walk with each round's whole tiles rotated among the CTAs (MEGAMOE_FP4_ROTATE_ROUNDS=1,
+    heuristics::fp4_rotate_rounds) runs the same tiles as the static walk (=0), so the outputs are bitwise equal: 2-3
+    rounds of tiles with a partial last one (experts of two token blocks and a few rows either side), every GEMM
+    output poisoned first, and with split K of the last round (block_m 16, a forced round of 100 units, which is not
+    the grid: rounds mix whole and split units)."""
+    gen = torch.Generator().manual_seed(811 + experts)
+    rows = (rows_per_expert + torch.randint(-8, 9, (experts,), generator=gen)).tolist()
+    case = case_with_rows(rows, 640, 896, weight_format, "fp8", seed=812 + experts, routing_seed=813)
+    case.ref = case.reference()
+    monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", block_m.split("-")[0])
+    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "100" if block_m.endswith("split") else "0")
+
+    def run(rotate):
+        monkeypatch.setenv("MEGAMOE_FP4_ROTATE_ROUNDS", "1" if rotate else "0")
+        poison_gemm_outputs(case.buffer)
+        return run_poisoned(case)
+
+    static, rotated = run(False), run(True)
+    assert torch.equal(rotated, static)
+    assert torch.equal(run(True), rotated)
+    assert rel_err(rotated, case.ref) <= TOL
+
+
 def spread_ue8m0(sf: torch.Tensor, spread: int, seed: int) -> torch.Tensor:
     """The same UE8M0 scales with each 32-block's exponent lowered by 0..spread."""
     gen = torch.Generator().manual_seed(seed)

@@ -316,8 +316,11 @@ inline int64_t fp4_expected_rows(int64_t num_tokens, int64_t top_k, int64_t num_
 // 0.996; NVFP4 V4-Flash 4096 (96, block_m 64) 0.924 / 0.936, V4-Pro 4096 (64) 0.934 / 0.969, 6144 0.923 / 0.933, 8192
 // 0.966 / 0.967, V4-Flash 6144 0.989 / 0.991, 8192 1.008 / 0.990. Where every expert holds one block: MXFP4 V4-Flash
 // 4096 (96 rows, block_m 128) 1.069 / 0.996, V4-Pro 4096 (64) 1.018 / 1.008, V4-Pro 6144 (96) 0.985 / 0.989, T = 1 /
-// 512 1.00-1.01: not rotated there.
+// 512 1.00-1.01: not rotated there. With several ranks each rank decides from its own token count (the same bits
+// either way). MEGAMOE_FP4_ROTATE_ROUNDS=0 / 1 (read per call; tests) forces it off / on.
 inline bool fp4_rotate_rounds(int64_t expected_rows, int block_m, int tail_rows) {
+  const char* env = std::getenv("MEGAMOE_FP4_ROTATE_ROUNDS");
+  if (env != nullptr && (env[0] == '0' || env[0] == '1') && env[1] == '\0') return env[0] == '1';
   return double(expected_rows) + std::sqrt(double(expected_rows)) > double(block_m + tail_rows);
 }
 // Token scales per stage: one row per 16- or 32-K block (16 rows for NVFP4 activations, 8 otherwise) of
