@@ -125,15 +125,7 @@ def test_mxfp4_fp8_mma_gather_fold_equals_kernel_fold(block_m, hidden, inter, sp
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", block_m.split("-")[0])
     monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "2" if block_m.endswith("split") else "0")
-
-    def run(fold):
-        monkeypatch.setenv("MEGAMOE_MXFP4_FOLD_TOKENS", "1" if fold else "0")
-        poison_gemm_outputs(case.buffer)
-        return run_poisoned(case)
-
-    kernel_fold, gather_fold = run(False), run(True)
-    assert torch.equal(gather_fold, kernel_fold)
-    assert torch.equal(run(True), gather_fold)
+    gather_fold = switch_keeps_bits(case, monkeypatch, "MEGAMOE_MXFP4_FOLD_TOKENS")
     assert rel_err(gather_fold, case.ref) <= 5e-2
 
 
@@ -197,15 +189,7 @@ def test_rotated_rounds_equal_static_walk(weight_format, block_m, rows_per_exper
     case.ref = case.reference()
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", block_m.split("-")[0])
     monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "100" if block_m.endswith("split") else "0")
-
-    def run(rotate):
-        monkeypatch.setenv("MEGAMOE_FP4_ROTATE_ROUNDS", "1" if rotate else "0")
-        poison_gemm_outputs(case.buffer)
-        return run_poisoned(case)
-
-    static, rotated = run(False), run(True)
-    assert torch.equal(rotated, static)
-    assert torch.equal(run(True), rotated)
+    rotated = switch_keeps_bits(case, monkeypatch, "MEGAMOE_FP4_ROTATE_ROUNDS")
     assert rel_err(rotated, case.ref) <= TOL
 
 
@@ -517,6 +501,19 @@ def poison_gemm_outputs(buffer):
 def run_split_poisoned(case):
     poison_gemm_outputs(case.buffer)
     return run_poisoned(case)
+
+
+def switch_keeps_bits(case, monkeypatch, var):
+    """Runs the case with the switch `var` = 0, then = 1 twice (every GEMM output poisoned first): the three outputs
+    are bitwise equal. Returns the = 1 output."""
+    def run(on):
+        monkeypatch.setenv(var, "1" if on else "0")
+        return run_split_poisoned(case)
+
+    off, on = run(False), run(True)
+    assert torch.equal(on, off)
+    assert torch.equal(run(True), on)
+    return on
 
 
 @combo
