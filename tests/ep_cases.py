@@ -286,9 +286,10 @@ def main(argv=None) -> int:
     parser.add_argument("--formats", default="fp8:fp8",
                         help="comma list of weight_format:act_format pairs (fp8:fp8, mxfp4:fp8, nvfp4:fp4, ...)")
     parser.add_argument("--watchdog-s", type=float, default=280.0,
-                        help="dump every thread's stack and exit if the run takes longer (a hang)")
+                        help="dump every thread's stack and exit if one (format pair, shape) check takes longer "
+                             "(a hang)")
     args = parser.parse_args(argv)
-    faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
+    faulthandler.dump_traceback_later(args.watchdog_s, exit=True)  # setup; re-armed per check below
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
@@ -297,6 +298,9 @@ def main(argv=None) -> int:
         for pair in args.formats.split(","):
             wf, af = pair.split(":")
             for shape in args.shapes.split(","):
+                # Per check, not per run: five format pairs on two shapes take ~300 s at 4 ranks, each check
+                # under 60 s (2026-11-26, 4 x H200), and a run-wide 280 s fired on a healthy run.
+                faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
                 check_shape(shape, device, stress_calls=args.stress_calls if shape == "small" else 100,
                             weight_format=wf, act_format=af)
         dist.barrier()

@@ -19,7 +19,7 @@ from conftest import CUDA_MARKS
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [*CUDA_MARKS, pytest.mark.skipif(NUM_GPUS < 2, reason="expert parallelism needs 2 GPUs")]
 
-TIMEOUT_S = 600  # a hang is a failure, not a stuck CI job
+TIMEOUT_S_PER_CHECK = 300  # per (format pair, shape): a hang is a failure, not a stuck CI job
 
 
 def _free_port() -> int:
@@ -41,13 +41,14 @@ def test_ep_matches_single_gpu():
     world = int(os.environ.get("MEGAMOE_EP_RANKS", "2"))
     if world > NUM_GPUS:
         pytest.skip(f"MEGAMOE_EP_RANKS={world} but only {NUM_GPUS} GPUs")
-    argv = ["--shapes", os.environ.get("MEGAMOE_EP_SHAPES", "small"), "--stress-calls", "1000",
-            "--formats", os.environ.get("MEGAMOE_EP_FORMATS", "fp8:fp8")]
+    shapes, formats = os.environ.get("MEGAMOE_EP_SHAPES", "small"), os.environ.get("MEGAMOE_EP_FORMATS", "fp8:fp8")
+    argv = ["--shapes", shapes, "--stress-calls", "1000", "--formats", formats]
+    timeout_s = TIMEOUT_S_PER_CHECK * len(shapes.split(",")) * len(formats.split(","))
     ctx = mp.start_processes(_worker, args=(world, _free_port(), argv), nprocs=world, join=False,
                              start_method="spawn")
-    deadline = time.time() + TIMEOUT_S
+    deadline = time.time() + timeout_s
     while not ctx.join(timeout=5):  # raises ProcessRaisedException when a rank fails
         if time.time() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail(f"expert-parallel run did not finish within {TIMEOUT_S} s (hang)")
+            pytest.fail(f"expert-parallel run did not finish within {timeout_s} s (hang)")
