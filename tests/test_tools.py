@@ -167,3 +167,15 @@ def test_ab_patches_apply(patch, tmp_path):
         shutil.copytree(ROOT / tree, tmp_path / tree)
     done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_memory_report_small_layer():
+    """benchmarks/memory_report.py on a small layer (CPU ops only): FP4 weights take about half of FP8's bytes per
+    expert (MXFP4 below NVFP4, whose scales are per 16), and FP4 activations a smaller buffer than FP8's."""
+    memory_report = load_tool("memory_report")
+    doc = memory_report.report({"small": dict(num_experts=4, top_k=2, hidden=256, intermediate=128)}, [16, 64], [1, 2])
+    per = {w["weight_format"]: w["bytes_per_expert"] for w in doc["weights"]}
+    assert per["mxfp4"] < per["nvfp4"] < 0.6 * per["fp8"]
+    assert per["fp8"] >= 3 * 256 * 128  # the weight bytes alone (L1: 2 x 128 x 256, L2: 256 x 128)
+    assert len(doc["buffers"]) == 4
+    assert all(0 < b["fp4_bytes"] < b["fp8_bytes"] for b in doc["buffers"])
