@@ -298,15 +298,18 @@ def main(argv=None) -> int:
         for pair in args.formats.split(","):
             wf, af = pair.split(":")
             for shape in args.shapes.split(","):
-                # Per check, not per run: five format pairs on two shapes take ~300 s at 4 ranks, each check
-                # under 60 s (2026-11-26, 4 x H200), and a run-wide 280 s fired on a healthy run.
+                # Per check, not per run: a run-wide 280 s fired on a healthy run of five format pairs on two shapes
+                # at 4 ranks (2026-11-26, 4 x H200: checks of 12-70 s, the V4-Flash FP4 ones with ~50 s of layer
+                # building).
                 faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
                 check_shape(shape, device, stress_calls=args.stress_calls if shape == "small" else 100,
                             weight_format=wf, act_format=af)
+        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)  # the final barrier and shutdown
         dist.barrier()
         log(f"EP={world}: all checks passed")
     finally:
         dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
     return 0
 
 

@@ -19,7 +19,11 @@ from conftest import CUDA_MARKS
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [*CUDA_MARKS, pytest.mark.skipif(NUM_GPUS < 2, reason="expert parallelism needs 2 GPUs")]
 
-TIMEOUT_S_PER_CHECK = 300  # per (format pair, shape): a hang is a failure, not a stuck CI job
+# A hang is a failure, not a stuck CI job: each rank's watchdog (WATCHDOG_S per (format pair, shape) check, then for the
+# final barrier) dumps its stacks and exits; this outer deadline, past all of them plus SETUP_S for spawning, imports
+# and NCCL setup, only catches what the watchdog cannot.
+WATCHDOG_S = 280
+SETUP_S = 120
 
 
 def _free_port() -> int:
@@ -42,8 +46,8 @@ def test_ep_matches_single_gpu():
     if world > NUM_GPUS:
         pytest.skip(f"MEGAMOE_EP_RANKS={world} but only {NUM_GPUS} GPUs")
     shapes, formats = os.environ.get("MEGAMOE_EP_SHAPES", "small"), os.environ.get("MEGAMOE_EP_FORMATS", "fp8:fp8")
-    argv = ["--shapes", shapes, "--stress-calls", "1000", "--formats", formats]
-    timeout_s = TIMEOUT_S_PER_CHECK * len(shapes.split(",")) * len(formats.split(","))
+    argv = ["--shapes", shapes, "--stress-calls", "1000", "--formats", formats, "--watchdog-s", str(WATCHDOG_S)]
+    timeout_s = SETUP_S + (WATCHDOG_S + 20) * (len(shapes.split(",")) * len(formats.split(",")) + 1)
     ctx = mp.start_processes(_worker, args=(world, _free_port(), argv), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.time() + timeout_s

@@ -170,12 +170,27 @@ def test_ab_patches_apply(patch, tmp_path):
 
 
 def test_memory_report_small_layer():
-    """benchmarks/memory_report.py on a small layer (CPU ops only): FP4 weights take about half of FP8's bytes per
-    expert (MXFP4 below NVFP4, whose scales are per 16), and FP4 activations a smaller buffer than FP8's."""
+    """benchmarks/memory_report.py on a small layer (CPU ops only): the bytes per expert of each weight format's kernel
+    layout, pinned (L1 [2I, H] = [256, 256], L2 [H, I] = [256, 128]), and its buffer rows against the layout op called
+    by keyword; the buffer grows with the tokens and the ranks, and FP4 activations take less than FP8's."""
+    from megamoe.buffer import buffer_layout
     memory_report = load_tool("memory_report")
-    doc = memory_report.report({"small": dict(num_experts=4, top_k=2, hidden=256, intermediate=128)}, [16, 64], [1, 2])
+    cfg = dict(num_experts=4, top_k=2, hidden=256, intermediate=128)
+    doc = memory_report.report({"small": cfg}, [16, 64], [1, 2])
     per = {w["weight_format"]: w["bytes_per_expert"] for w in doc["weights"]}
-    assert per["mxfp4"] < per["nvfp4"] < 0.6 * per["fp8"]
-    assert per["fp8"] >= 3 * 256 * 128  # the weight bytes alone (L1: 2 x 128 x 256, L2: 256 x 128)
-    assert len(doc["buffers"]) == 4
-    assert all(0 < b["fp4_bytes"] < b["fp8_bytes"] for b in doc["buffers"])
+    l1, l2 = 256 * 256, 256 * 128  # weights per expert
+    # MXFP4: packed E2M1, a UE8M0 scale per 32, a row exponent byte per row; NVFP4: packed E2M1, a UE4M3 scale per 16,
+    # a float32 global scale; FP8: a byte per weight plus 48 bytes of float32 scales at this size.
+    assert per["mxfp4"] == (l1 + l2) // 2 + (l1 + l2) // 32 + 2 * 256
+    assert per["nvfp4"] == (l1 + l2) // 2 + (l1 + l2) // 16 + 2 * 4
+    assert per["fp8"] == l1 + l2 + 56
+    rows = {(b["num_ranks"], b["max_tokens_per_rank"]): b for b in doc["buffers"]}
+    assert len(rows) == 4
+    for (ranks, tokens), b in rows.items():
+        for act in ("fp8", "fp4"):
+            want = buffer_layout(num_experts=4, num_ranks=ranks, max_tokens_per_rank=tokens, top_k=2, hidden=256,
+                                 intermediate=128, act_format=act)["total_bytes"]
+            assert b[f"{act}_bytes"] == want
+        assert 0 < b["fp4_bytes"] < b["fp8_bytes"]
+    # (pool rows round up to 128, so the ranks are compared at 64 tokens: 128 and 256 routed rows)
+    assert rows[(1, 16)]["fp8_bytes"] < rows[(1, 64)]["fp8_bytes"] < rows[(2, 64)]["fp8_bytes"]
