@@ -8,9 +8,9 @@ from megamoe import formats
 from conftest import COMBOS, as_bytes, assert_bitwise_equal, make_case, random_layer
 
 E, H, I, K = 8, 256, 384, 3
-LAYOUT_REGIONS = ("error", "num_tokens", "expert_count", "expert_offset", "tile_offset", "sched", "x", "x_sf",
-                  "x_global_sf", "topk_idx", "topk_weights", "pool_src", "dispatch_x", "dispatch_sf",
-                  "dispatch_global_sf", "pool", "pool_sf", "pool_global_sf", "combine")
+LAYOUT_REGIONS = ("error", "num_tokens", "expert_count", "expert_offset", "tile_offset", "sched", "peer_ptrs",
+                  "signal", "x", "x_sf", "x_global_sf", "topk_idx", "topk_weights", "pool_src", "dispatch_x",
+                  "dispatch_sf", "dispatch_global_sf", "dispatch_weight", "pool", "pool_sf", "pool_global_sf", "combine")
 
 
 def combo_id(combo):
@@ -319,11 +319,13 @@ def region_sizes(lay, top_k, hidden):
     cap, e_loc, rows = lay["max_tokens_per_rank"], lay["num_local_experts"], lay["pool_rows"]
     return {
         "error": 16, "num_tokens": 4, "expert_count": 4 * e_loc, "expert_offset": 4 * (e_loc + 1),
-        "tile_offset": 4 * (e_loc + 1), "sched": 4 * (e_loc + 1), "x": cap * lay["token_bytes"],
+        "tile_offset": 4 * (e_loc + 1), "sched": 4 * (e_loc + 1),
+        "peer_ptrs": 8 * lay["num_ranks"], "signal": 4 * (2 * lay["num_ranks"] + 1),  # per peer: 2 phases, + epoch
+        "x": cap * lay["token_bytes"],
         "x_sf": cap * lay["token_sf_bytes"],
         "x_global_sf": 4 * cap, "topk_idx": 4 * cap * top_k, "topk_weights": 4 * cap * top_k,
         "pool_src": 4 * rows, "dispatch_x": rows * lay["token_bytes"], "dispatch_sf": rows * lay["token_sf_bytes"],
-        "dispatch_global_sf": 4 * rows, "pool": rows * lay["pool_row_bytes"],
+        "dispatch_global_sf": 4 * rows, "dispatch_weight": 4 * rows, "pool": rows * lay["pool_row_bytes"],
         "pool_sf": rows * lay["pool_row_sf_bytes"], "pool_global_sf": 4 * rows,
         "combine": 2 * cap * top_k * hidden,
     }
@@ -331,12 +333,14 @@ def region_sizes(lay, top_k, hidden):
 
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
 @pytest.mark.parametrize("cfg", [(8, 1, 33, 3, 256, 384), (16, 1, 1, 4, 512, 256), (8, 1, 0, 3, 256, 384),
-                                 (256, 4, 100, 6, 4096, 2048), (6, 2, 17, 6, 128, 128)],
+                                 (256, 4, 100, 6, 4096, 2048), (6, 2, 17, 6, 128, 128),
+                                 # EP=8 at DeepSeek-V4 shapes (V4-Flash 8,192 and V4-Pro 2,048 tokens per rank)
+                                 (256, 8, 8192, 6, 4096, 2048), (384, 8, 2048, 6, 7168, 3072)],
                          ids=lambda c: "E{}-R{}-T{}-K{}-H{}-I{}".format(*c))
 def test_buffer_layout(cfg, act_format):
     e, ranks, cap, k, h, i = cfg
     lay = dict(megamoe.buffer_layout(e, ranks, cap, k, h, i, act_format))
-    lay["max_tokens_per_rank"] = cap
+    lay["max_tokens_per_rank"], lay["num_ranks"] = cap, ranks
     fp4 = act_format == "fp4"
     assert lay["num_local_experts"] == e // ranks
     assert lay["token_bytes"] == (h // 2 if fp4 else h)
