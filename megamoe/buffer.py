@@ -104,6 +104,22 @@ def checked_mode(check: Optional[bool]) -> bool:
     return True
 
 
+def check_same_config(group, config: dict) -> None:
+    """Every rank of ``group`` must size its buffer alike: the kernels address a peer's buffer with this rank's layout
+    offsets, so a rank with another capacity or shape would read and write the wrong bytes of its peers. Gathers
+    ``config`` from every rank (a host collective, once per buffer) and raises ValueError on every rank, naming the
+    arguments that differ and each rank's value, before anything is allocated."""
+    import torch.distributed as dist
+    configs = [None] * dist.get_world_size(group)
+    dist.all_gather_object(configs, config, group=group)
+    differing = [name for name in config if any(c.get(name) != config[name] for c in configs)]
+    if differing:
+        values = "; ".join(f"{name}: " + ", ".join(f"rank {r} {c.get(name)!r}" for r, c in enumerate(configs))
+                           for name in differing)
+        raise ValueError(f"get_symm_buffer: every rank of the group must pass the same {', '.join(differing)} "
+                         f"(got {values})")
+
+
 def get_symm_buffer(group, num_experts: int, max_tokens_per_rank: int, top_k: int, hidden: int,
                     intermediate: int, act_format: str = "fp8",
                     device: Optional[torch.device | str] = None) -> MegaMoEBuffer:
@@ -127,6 +143,10 @@ def get_symm_buffer(group, num_experts: int, max_tokens_per_rank: int, top_k: in
     if group is not None:
         import torch.distributed as dist
         num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+        if num_ranks > 1:
+            check_same_config(group, dict(num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
+                                          top_k=top_k, hidden=hidden, intermediate=intermediate,
+                                          act_format=act_format))
     layout = buffer_layout(num_experts, num_ranks, max_tokens_per_rank, top_k, hidden, intermediate, act_format)
     handle = None
     if num_ranks == 1:
