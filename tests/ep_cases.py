@@ -184,6 +184,20 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_f
             run_case(layer, buf, name, uneven, 150 + i)
         log(f"[{shape}] {name} (tokens per rank {uneven}): bitwise equal to EP=1")
 
+    # MXFP4 w4a4: a rank folds its tokens upstream only while the fold's workspace (every rank's pool rows) stays under
+    # heuristics::kFp4FoldMxfp4MaxBytes, so with many ranks a prefill-sized buffer converts them in the tiles instead
+    # (at 8 ranks from ~880 tokens per rank at V4-Flash). Both paths give the same bits: ranks that mix them, and
+    # converters everywhere, against EP=1 with the default.
+    if weight_format == "mxfp4" and act_format == "fp4":
+        for i, (name, fold_here) in enumerate((("w4a4 fold on even ranks, converters on odd", rank % 2 == 0),
+                                               ("w4a4 converters on every rank", False))):
+            x, idx, w = layer.batch(uneven, 160 + i)
+            want = my_rows(uneven, layer.ep1(x, idx, w))
+            with env_set("MEGAMOE_FP4_FOLD_MXFP4", "1" if fold_here else "0"):
+                got = layer.moe(my_rows(uneven, x), my_rows(uneven, idx), my_rows(uneven, w), buf, check=True)
+            check_equal(name, got, want)
+            log(f"[{shape}] {name} (tokens per rank {uneven}): bitwise equal to EP=1")
+
     # Against the emulating float reference as well (not only against EP=1).
     counts = [min(cap, 9 + r) for r in range(world)]
     x, idx, w = layer.batch(counts, 7, masked_fraction=0.2)
