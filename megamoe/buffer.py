@@ -111,10 +111,15 @@ def check_same_config(group, config: dict) -> None:
     arguments that differ and each rank's value, before anything is allocated."""
     import torch.distributed as dist
     configs = [None] * dist.get_world_size(group)
-    dist.all_gather_object(configs, config, group=group)
-    differing = [name for name in config if any(c.get(name) != config[name] for c in configs)]
+    device = config.get("device")
+    if device is not None and torch.device(device).type == "cuda":
+        with torch.cuda.device(torch.device(device)):  # NCCL's object gather runs on the current device
+            dist.all_gather_object(configs, config, group=group)
+    else:
+        dist.all_gather_object(configs, config, group=group)
+    differing = [name for name in config if name != "device" and any(c.get(name) != config[name] for c in configs)]
     if differing:
-        values = "; ".join(f"{name}: " + ", ".join(f"rank {r} {c.get(name)!r}" for r, c in enumerate(configs))
+        values = "; ".join(f"{name}: " + ", ".join(f"group rank {r} {c.get(name)!r}" for r, c in enumerate(configs))
                            for name in differing)
         raise ValueError(f"get_symm_buffer: every rank of the group must pass the same {', '.join(differing)} "
                          f"(got {values})")
@@ -134,8 +139,6 @@ def get_symm_buffer(group, num_experts: int, max_tokens_per_rank: int, top_k: in
         act_format: "fp8" (default) or "fp4" (FP4 halves the activation bytes).
         device: defaults to the current CUDA device if CUDA is available, else CPU.
     """
-    if act_format not in ACT_FORMATS:
-        raise ValueError(f"act_format: expected one of {ACT_FORMATS}, got {act_format!r}")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -143,10 +146,12 @@ def get_symm_buffer(group, num_experts: int, max_tokens_per_rank: int, top_k: in
     if group is not None:
         import torch.distributed as dist
         num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-        if num_ranks > 1:
+        if num_ranks > 1:  # first: a rank that raised alone would leave the others waiting in a collective
             check_same_config(group, dict(num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
                                           top_k=top_k, hidden=hidden, intermediate=intermediate,
-                                          act_format=act_format))
+                                          act_format=act_format, device=device))
+    if act_format not in ACT_FORMATS:
+        raise ValueError(f"act_format: expected one of {ACT_FORMATS}, got {act_format!r}")
     layout = buffer_layout(num_experts, num_ranks, max_tokens_per_rank, top_k, hidden, intermediate, act_format)
     handle = None
     if num_ranks == 1:

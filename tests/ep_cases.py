@@ -187,7 +187,8 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_f
     # MXFP4 w4a4: a rank folds its tokens upstream only while the fold's workspace (every rank's pool rows) stays under
     # heuristics::kFp4FoldMxfp4MaxBytes, so with many ranks a prefill-sized buffer converts them in the tiles instead
     # (at 8 ranks from ~880 tokens per rank at V4-Flash). Both paths give the same bits: ranks that mix them, and
-    # converters everywhere, against EP=1 with the default.
+    # converters everywhere, against EP=1 with the default. (=1 does not lift the cap: in flash-large, ~600 MB at 2
+    # ranks, both cases run the converters on every rank; small and flash mix the paths.)
     if weight_format == "mxfp4" and act_format == "fp4":
         for i, (name, fold_here) in enumerate((("w4a4 fold on even ranks, converters on odd", rank % 2 == 0),
                                                ("w4a4 converters on every rank", False))):

@@ -363,42 +363,54 @@ def test_buffer_layout(cfg, act_format):
 
 
 def _same_config_worker(rank, world, store_path, hidden_by_rank, results):
+    import datetime
     import os
+    import traceback
     import torch.distributed as dist
-    from megamoe.buffer import check_same_config
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        check_same_config(dist.group.WORLD, dict(num_experts=8, max_tokens_per_rank=16, top_k=2,
-                                                 hidden=hidden_by_rank[rank], intermediate=128, act_format="fp8"))
-        results.put((rank, None))
-    except ValueError as err:
-        results.put((rank, str(err)))
-    finally:
-        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+        try:
+            # The real entry point: with a matching configuration it goes on to refuse the CPU device (expert
+            # parallelism needs CUDA symmetric memory), after the gather.
+            megamoe.get_symm_buffer(dist.group.WORLD, 8, 16, 2, hidden_by_rank[rank], 128, device="cpu")
+            results.put((rank, "no error"))
+        except ValueError as err:
+            results.put((rank, str(err)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # anything else: reported, never a silent hang of the other rank
+        results.put((rank, "unexpected: " + traceback.format_exc()))
 
 
 @pytest.mark.parametrize("hidden_by_rank", [(256, 256), (256, 512)], ids=["same", "hidden differs"])
 def test_symm_buffer_config_must_match_across_ranks(hidden_by_rank, tmp_path):
     """get_symm_buffer's check (two CPU processes over gloo): ranks that size their buffers differently (the kernels
     address a peer's buffer with this rank's offsets) all get a ValueError naming the argument and each rank's value,
-    before anything is allocated; the same configuration passes."""
+    before anything is allocated; the same configuration passes the check (and then meets the CPU device's refusal)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_same_config_worker, args=(r, 2, str(tmp_path / "store"), hidden_by_rank, results))
-             for r in range(2)]
-    for proc in procs:
-        proc.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=60)
-    if hidden_by_rank[0] == hidden_by_rank[1]:
-        assert got == {0: None, 1: None}
-    else:
-        for rank in (0, 1):
-            assert got[rank] is not None and "hidden" in got[rank] and "rank 0 256, rank 1 512" in got[rank], got
-            assert "top_k" not in got[rank]
+    procs = [ctx.Process(target=_same_config_worker, args=(r, 2, str(tmp_path / "store"), hidden_by_rank, results),
+                         daemon=True) for r in range(2)]
+    try:
+        for proc in procs:
+            proc.start()
+        got = dict(results.get(timeout=120) for _ in procs)
+        for proc in procs:
+            proc.join(timeout=60)
+        assert [proc.exitcode for proc in procs] == [0, 0], got
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+    for rank in (0, 1):
+        if hidden_by_rank[0] == hidden_by_rank[1]:
+            assert got[rank].startswith("device:"), got  # past the check: the CPU device is refused next
+        else:
+            assert "hidden" in got[rank] and "group rank 0 256, group rank 1 512" in got[rank], got
+            assert "top_k" not in got[rank] and "device" not in got[rank], got
 
 
 def test_fp4_buffer_is_smaller():
