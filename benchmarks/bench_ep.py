@@ -37,11 +37,7 @@ import megamoe
 from megamoe import reference
 
 import bench_utils as bu
-
-MODELS = {
-    "V4-Flash": dict(num_experts=256, top_k=6, hidden=4096, intermediate=2048),
-    "V4-Pro": dict(num_experts=384, top_k=6, hidden=7168, intermediate=3072),
-}
+from bench_moe import MODELS  # the DeepSeek-V4 shapes, one definition for the benchmarks
 
 
 def log(msg: str) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 
@@ -19,11 +21,8 @@ import megamoe
 from megamoe import reference
 from megamoe.buffer import buffer_layout
 
-# DeepSeek-V4 shapes (as benchmarks/bench_moe.py's MODELS, which imports the GPU timing helpers).
-MODELS = {
-    "V4-Flash": dict(num_experts=256, top_k=6, hidden=4096, intermediate=2048),
-    "V4-Pro": dict(num_experts=384, top_k=6, hidden=7168, intermediate=3072),
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_moe import MODELS  # noqa: E402  (the DeepSeek-V4 shapes; imports on a machine without a GPU)
 WEIGHT_FORMATS = ("fp8", "mxfp4", "nvfp4")
 
 
