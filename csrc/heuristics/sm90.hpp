@@ -19,6 +19,7 @@ struct GroupedGemmConfig {
   bool fused = false;  // FP8: L1 and L2 in one persistent launch
   bool pairs = false;  // FP8: that launch in CTA pairs sharing each weight tile (routing in 2 x block_m row blocks)
   int tail_rows = 0;   // FP8: rows an expert's last token block may hold beyond block_m (fp8_tail_rows)
+  bool rotate_rounds = false;  // FP8, two launches: each round's tiles rotated among the CTAs (rotate_rounds)
   int routing_block() const { return pairs ? 2 * block_m : block_m; }
 };
 
@@ -109,9 +110,33 @@ inline void print_config_once(const char* family, int64_t num_tokens, int64_t to
   std::lock_guard<std::mutex> lock(mu);
   if (printed.insert({family, num_tokens, top_k, num_experts, hidden, intermediate, num_ranks}).second)
     std::printf("megamoe: sm90 %s grouped GEMM T=%lld K=%lld E=%lld H=%lld I=%lld ranks=%lld -> block_m=%d stages=%d "
-                "fused=%d pairs=%d tail_rows=%d\n", family, (long long)num_tokens, (long long)top_k,
+                "fused=%d pairs=%d tail_rows=%d rotate_rounds=%d\n", family, (long long)num_tokens, (long long)top_k,
                 (long long)num_experts, (long long)hidden, (long long)intermediate, (long long)num_ranks, c.block_m,
-                c.num_stages, int(c.fused), int(c.pairs), c.tail_rows);
+                c.num_stages, int(c.fused), int(c.pairs), c.tail_rows, int(c.rotate_rounds));
+}
+
+// The FP4 kernels' static walk (CTA b takes units b, b + grid, ...) rotates each round's tiles by the round index
+// (split_unit) where some expert likely holds more than one token block (mean + one standard deviation past the
+// block's rows, tail rows included): token blocks are innermost and the grid (132) is a multiple of 2, 3 and 4, so
+// without it every CTA takes the same token block of each expert (the even CTAs every full block, the odd ones every
+// short last block at 2 blocks) and half the grid idles at the end. The same tiles run either way (the same bits).
+// NOTES: H100 A/B (2026-11-26, 2 rounds, w4a8, rotation at every token count, over main's, per replay / in a graph;
+// docs/bench/h100-2026-11-26m-ab-fp4-rotate-rounds.json): where experts have several blocks: MXFP4 V4-Flash 8192
+// (192 rows, block_m 128) 0.933 / 0.951, V4-Pro 8192 (128) 0.938 / 0.937, V4-Flash 6144 (144, block_m 64) 0.987 /
+// 0.996; NVFP4 V4-Flash 4096 (96, block_m 64) 0.924 / 0.936, V4-Pro 4096 (64) 0.934 / 0.969, 6144 0.923 / 0.933, 8192
+// 0.966 / 0.967, V4-Flash 6144 0.989 / 0.991, 8192 1.008 / 0.990. Where every expert holds one block: MXFP4 V4-Flash
+// 4096 (96 rows, block_m 128) 1.069 / 0.996, V4-Pro 4096 (64) 1.018 / 1.008, V4-Pro 6144 (96) 0.985 / 0.989, T = 1 /
+// 512 1.00-1.01: not rotated there. With several ranks each rank decides from its own token count (the same bits
+// either way). MEGAMOE_FP4_ROTATE_ROUNDS=0 / 1 (read per call; tests) forces it off / on. The FP8 kernel's static walk
+// (two launches: one rank at one round of L1 tiles, peers past 96 rows per local expert) takes the same rule
+// (MEGAMOE_FP8_ROTATE_ROUNDS; choose_grouped_gemm).
+inline bool rotate_rounds(const char* var, int64_t expected_rows, int block_m, int tail_rows) {
+  const char* env = std::getenv(var);
+  if (env != nullptr && (env[0] == '0' || env[0] == '1') && env[1] == '\0') return env[0] == '1';
+  return double(expected_rows) + std::sqrt(double(expected_rows)) > double(block_m + tail_rows);
+}
+inline bool fp4_rotate_rounds(int64_t expected_rows, int block_m, int tail_rows) {
+  return rotate_rounds("MEGAMOE_FP4_ROTATE_ROUNDS", expected_rows, block_m, tail_rows);
 }
 
 // Expected experts with at least one of num_tokens x top_k uniformly routed slots: E (1 - (1 - k / E)^T).
@@ -165,6 +190,7 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   if (c.fused && pairs_on && c.block_m == 128) c.block_m = 64;  // the pair walk's blocks are 64 rows
   c.pairs = c.fused && c.block_m == 64 && pairs_on;
   c.tail_rows = tail_off ? 0 : fp8_tail_rows(c.block_m, c.pairs);
+  c.rotate_rounds = !c.fused && rotate_rounds("MEGAMOE_FP8_ROTATE_ROUNDS", rows, c.block_m, c.tail_rows);
   c.num_stages = num_stages_for(c.block_m, c.pairs);
   print_config_once("FP8", num_tokens, top_k, num_experts, hidden, intermediate, num_ranks, c);
   return c;
@@ -304,24 +330,6 @@ inline int fp4_tail_rows(int block_m, int64_t expected_rows, int tail_from, bool
 inline int64_t fp4_expected_rows(int64_t num_tokens, int64_t top_k, int64_t num_experts) {
   const int64_t slots = num_tokens * top_k;
   return slots <= num_experts ? 1 : (slots + num_experts - 1) / num_experts;
-}
-// The FP4 kernels' static walk (CTA b takes units b, b + grid, ...) rotates each round's tiles by the round index
-// (split_unit) where some expert likely holds more than one token block (mean + one standard deviation past the
-// block's rows, tail rows included): token blocks are innermost and the grid (132) is a multiple of 2, 3 and 4, so
-// without it every CTA takes the same token block of each expert (the even CTAs every full block, the odd ones every
-// short last block at 2 blocks) and half the grid idles at the end. The same tiles run either way (the same bits).
-// NOTES: H100 A/B (2026-11-26, 2 rounds, w4a8, rotation at every token count, over main's, per replay / in a graph;
-// docs/bench/h100-2026-11-26m-ab-fp4-rotate-rounds.json): where experts have several blocks: MXFP4 V4-Flash 8192
-// (192 rows, block_m 128) 0.933 / 0.951, V4-Pro 8192 (128) 0.938 / 0.937, V4-Flash 6144 (144, block_m 64) 0.987 /
-// 0.996; NVFP4 V4-Flash 4096 (96, block_m 64) 0.924 / 0.936, V4-Pro 4096 (64) 0.934 / 0.969, 6144 0.923 / 0.933, 8192
-// 0.966 / 0.967, V4-Flash 6144 0.989 / 0.991, 8192 1.008 / 0.990. Where every expert holds one block: MXFP4 V4-Flash
-// 4096 (96 rows, block_m 128) 1.069 / 0.996, V4-Pro 4096 (64) 1.018 / 1.008, V4-Pro 6144 (96) 0.985 / 0.989, T = 1 /
-// 512 1.00-1.01: not rotated there. With several ranks each rank decides from its own token count (the same bits
-// either way). MEGAMOE_FP4_ROTATE_ROUNDS=0 / 1 (read per call; tests) forces it off / on.
-inline bool fp4_rotate_rounds(int64_t expected_rows, int block_m, int tail_rows) {
-  const char* env = std::getenv("MEGAMOE_FP4_ROTATE_ROUNDS");
-  if (env != nullptr && (env[0] == '0' || env[0] == '1') && env[1] == '\0') return env[0] == '1';
-  return double(expected_rows) + std::sqrt(double(expected_rows)) > double(block_m + tail_rows);
 }
 // Token scales per stage: one row per 16- or 32-K block (16 rows for NVFP4 activations, 8 otherwise) of
 // cols + 4 bytes (the 4-byte aligned window cp.async copies around the tile's first row).

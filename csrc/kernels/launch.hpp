@@ -50,6 +50,7 @@ struct GroupedGemmLaunch {
   int block_m;
   bool fused;              // one launch for both GEMMs
   bool pairs = false;      // fused walk in CTA pairs sharing each weight tile (block_m 64; routing in 128-row blocks)
+  bool rotate_rounds = false;  // two launches: each round's tiles rotated among the CTAs (heuristics::rotate_rounds)
   float activation_clamp;  // < 0: no clamp
   bool fast_math;
 };

@@ -524,6 +524,17 @@ __device__ __forceinline__ TileInfo decode_tile_warp(int tile, const int* tile_o
   return t;
 }
 
+// The static walks' rotation (FP4 split_unit, FP8 kL1 / kL2 launches; their Params::rotate_rounds): CTA b runs units b,
+// b + grid, ... (round r = unit / grid), and round r's units map to its tiles rotated by r, unit r grid + b -> tile
+// r grid + (b + r) mod (the round's tiles, `count` in all). Each round keeps its tiles (the blocks a wave shares in
+// L2); a CTA no longer takes the same token block of every expert where the grid (132) is a multiple of the experts'
+// token-block count (decode_tile_warp: token blocks innermost). Units past `count` map to themselves (the walk's end).
+__device__ __forceinline__ int rotated_tile(int unit, int count) {
+  const int grid = static_cast<int>(gridDim.x), r = unit / grid, pos = unit - r * grid;
+  if (unit >= count) return unit;
+  return r * grid + (pos + r) % min(grid, count - r * grid);
+}
+
 // The epilogues' staging tiles in shared memory ([token][outputs], a row of 128 or 512 bytes per token: the FP8 and
 // FP4 L1 E4M3 / E2M1 codes, the FP4 L2 bf16 outputs): 16-byte chunk c of token `col`'s row sits at chunk c ^ (col % 8)
 // of that row; writers and readers both go through this. (The FP8 L2 stage pads its rows instead: its bulk copies

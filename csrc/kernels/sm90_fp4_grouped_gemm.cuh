@@ -197,10 +197,7 @@ struct SplitUnit {
 template <bool kSplitK>
 __device__ __forceinline__ SplitUnit split_unit(int unit, const SplitPlan& plan, int num_kblocks, bool rotate) {
   if (!kSplitK || unit < plan.whole) {
-    if (!rotate) return {unit, -1, 0, num_kblocks};
-    const int grid = static_cast<int>(gridDim.x), r = unit / grid, pos = unit - r * grid;
-    const int round_tiles = min(grid, plan.whole - r * grid);  // > pos: unit < plan.whole
-    return {r * grid + (pos + r) % round_tiles, -1, 0, num_kblocks};
+    return {rotate ? rotated_tile(unit, plan.whole) : unit, -1, 0, num_kblocks};
   }
   const int r = unit - plan.whole, s = plan.splits;
   SplitUnit u;

@@ -82,6 +82,7 @@ struct GemmParams {
   layout::BufferLayout l;
   float activation_clamp;  // < 0: none
   bool fast_math;
+  bool rotate_rounds;  // static walk (kL1 / kL2): round r's tiles rotated by r among the CTAs (rotated_tile)
 };
 
 #ifdef MEGAMOE_TILE_TRACE
@@ -388,7 +389,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             ptx::prefetch_tensormap(&tmap_acts2);
           }
         }
-        int tile = kFused ? 0 : static_cast<int>(blockIdx.x);
+        int tile = 0, unit = static_cast<int>(blockIdx.x);  // static walk: CTA b takes units b, b + grid, ...
 #ifdef MEGAMOE_TILE_TRACE
         int trace_n = 0, trace_cur = -1, trace_tile[kTraceTiles];  // trace_cur: the slot of the tile being issued
         uint64_t trace_claim[kTraceTiles], trace_issue[kTraceTiles];  // claimed; first weight load issued
@@ -398,8 +399,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         for (bool first = true;; first = false) {
           if constexpr (kFused) {
             tile = claim();
-          } else if (!first) {
-            tile += static_cast<int>(gridDim.x);
+          } else {
+            if (!first) unit += static_cast<int>(gridDim.x);
+            tile = p.rotate_rounds ? rotated_tile(unit, num_tiles) : unit;
           }
 #ifdef MEGAMOE_TILE_TRACE
           trace_cur = trace_n < kTraceTiles ? trace_n : -1;

@@ -80,6 +80,7 @@ void fp8_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at::Te
   how.block_m = cfg.block_m;
   how.fused = cfg.fused;
   how.pairs = cfg.pairs;
+  how.rotate_rounds = cfg.rotate_rounds;
   how.activation_clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
   how.fast_math = fast_math;
   kernels::launch_fp8_grouped_gemms(g1, g2, buf, l, how, sms, stream);
