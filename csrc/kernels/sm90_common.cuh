@@ -528,11 +528,12 @@ __device__ __forceinline__ TileInfo decode_tile_warp(int tile, const int* tile_o
 // b + grid, ... (round r = unit / grid), and round r's units map to its tiles rotated by r, unit r grid + b -> tile
 // r grid + (b + r) mod (the round's tiles, `count` in all). Each round keeps its tiles (the blocks a wave shares in
 // L2); a CTA no longer takes the same token block of every expert where the grid (132) is a multiple of the experts'
-// token-block count (decode_tile_warp: token blocks innermost). Units past `count` map to themselves (the walk's end).
+// token-block count (decode_tile_warp: token blocks innermost). Needs unit < count (callers map the units past the
+// walk's end to themselves).
 __device__ __forceinline__ int rotated_tile(int unit, int count) {
   const int grid = static_cast<int>(gridDim.x), r = unit / grid, pos = unit - r * grid;
-  if (unit >= count) return unit;
-  return r * grid + (pos + r) % min(grid, count - r * grid);
+  const int round_tiles = min(grid, count - r * grid);  // > pos: unit < count
+  return r * grid + (pos + r) % round_tiles;
 }
 
 // The epilogues' staging tiles in shared memory ([token][outputs], a row of 128 or 512 bytes per token: the FP8 and

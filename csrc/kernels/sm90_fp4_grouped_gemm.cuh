@@ -197,7 +197,8 @@ struct SplitUnit {
 template <bool kSplitK>
 __device__ __forceinline__ SplitUnit split_unit(int unit, const SplitPlan& plan, int num_kblocks, bool rotate) {
   if (!kSplitK || unit < plan.whole) {
-    return {rotate ? rotated_tile(unit, plan.whole) : unit, -1, 0, num_kblocks};
+    if (!rotate) return {unit, -1, 0, num_kblocks};
+    return {rotated_tile(unit, plan.whole), -1, 0, num_kblocks};  // unit < plan.whole
   }
   const int r = unit - plan.whole, s = plan.splits;
   SplitUnit u;

@@ -401,7 +401,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
             tile = claim();
           } else {
             if (!first) unit += static_cast<int>(gridDim.x);
-            tile = p.rotate_rounds ? rotated_tile(unit, num_tiles) : unit;
+            tile = p.rotate_rounds && unit < num_tiles ? rotated_tile(unit, num_tiles) : unit;
           }
 #ifdef MEGAMOE_TILE_TRACE
           trace_cur = trace_n < kTraceTiles ? trace_n : -1;
