@@ -184,6 +184,14 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_f
             run_case(layer, buf, name, uneven, 150 + i)
         log(f"[{shape}] {name} (tokens per rank {uneven}): bitwise equal to EP=1")
 
+    # Routing reads every rank's slot ids in one flat pass where they fit one pass of its block (decode), else rank by
+    # rank (heuristics::routing_flat_reads): the same counts, so the same bits, also where ranks differ.
+    for i, (name, flat_here) in enumerate((("routing flat on even ranks, rank by rank on odd", rank % 2 == 0),
+                                           ("routing rank by rank on every rank", False))):
+        with env_set("MEGAMOE_ROUTING_FLAT", "1" if flat_here else "0"):
+            run_case(layer, buf, name, uneven, 155 + i)
+        log(f"[{shape}] {name} (tokens per rank {uneven}): bitwise equal to EP=1")
+
     # MXFP4 w4a4: a rank folds its tokens upstream only while the fold's workspace (every rank's pool rows) stays under
     # heuristics::kFp4FoldMxfp4MaxBytes, so with many ranks a prefill-sized buffer converts them in the tiles instead
     # (at 8 ranks from ~880 tokens per rank at V4-Flash). Both paths give the same bits: ranks that mix them, and

@@ -139,6 +139,14 @@ inline bool fp4_rotate_rounds(int64_t expected_rows, int block_m, int tail_rows)
   return rotate_rounds("MEGAMOE_FP4_ROTATE_ROUNDS", expected_rows, block_m, tail_rows);
 }
 
+// Routing's count pass with peers reads every rank's slot ids in one flat pass (one load round trip instead of one
+// per rank) where they fit one pass of the block (decode; sm90_routing.cu, NOTES there). The same counts either way.
+// MEGAMOE_ROUTING_FLAT=0 (read per call; bench_ep --alt-env) reads rank by rank.
+inline bool routing_flat_reads() {
+  const char* env = std::getenv("MEGAMOE_ROUTING_FLAT");
+  return !(env != nullptr && env[0] == '0' && env[1] == '\0');
+}
+
 // Expected experts with at least one of num_tokens x top_k uniformly routed slots: E (1 - (1 - k / E)^T).
 inline double expected_touched_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts) {
   const double miss = 1.0 - std::min(1.0, double(top_k) / double(num_experts));

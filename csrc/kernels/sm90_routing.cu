@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "heuristics/sm90.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/sm90_common.cuh"
 
@@ -81,7 +82,7 @@ struct RoutingSmem {
 // by exactly one tile with a fixed summation order, so results are deterministic.
 __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffer, layout::BufferLayout l, int rank,
                                                                   int num_tokens, int block_m, int tail_rows,
-                                                                  int* recv_stats, int cached_slots) {
+                                                                  int* recv_stats, int cached_slots, bool flat_reads) {
   PhaseStamps trace;  // entry, after the dependency wait, counted, scanned, end (diagnostic builds only)
   trace.stamp();
   int* expert_count = reinterpret_cast<int*>(buffer + l.expert_count_offset);
@@ -157,15 +158,46 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
     }
   }
   __syncthreads();
-  for (int r = 0; r < num_ranks; ++r) {
-    const int* ids = reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.topk_idx_offset);
-    const int cached_at = rank_cache[r];
-    for_each_slot(ids, rank_tokens[r] * top_k, [&](int i, int id) {
-      // Each rank reports its own tokens' bad ids.
-      const int e = local_expert(id, l, rank, buffer, i, r == rank);
-      if (e >= 0) atomicAdd(&count[e], 1);
-      if (cached_at >= 0) cache[cached_at + i] = static_cast<int16_t>(e);
-    });
+  // Count pass: slot i of rank r (id read locally or over NVLink) counted for its local expert, which the cache keeps
+  // for the scatter pass. Each rank reports its own tokens' bad ids.
+  auto count_slot = [&](int r, int i, int id) {
+    const int e = local_expert(id, l, rank, buffer, i, r == rank);
+    if (e >= 0) atomicAdd(&count[e], 1);
+    if (rank_cache[r] >= 0) cache[rank_cache[r] + i] = static_cast<int16_t>(e);
+  };
+  // NOTES: at decode a rank's ids take one load latency (over NVLink ~1-2 us), and read rank after rank they cost
+  // one round trip per rank (EP=8: eight in a row; EP=8 audit, 2026-11-26). With peers, where every rank's slots
+  // laid end to end fit one pass of the block (kFlatIds scalar ids in flight per thread: 4,096 slots, e.g. 170
+  // tokens per rank at EP=4, top-6), the block reads them so: all ranks' ids in flight at once. Else (one rank,
+  // larger batches) rank by rank, 16-byte loads. 4 x H200 EP=4 FP8 A/B (2026-11-26, bench_ep --alt-env
+  // MEGAMOE_ROUTING_FLAT=0, two runs; docs/bench/h200x4-2026-11-26o-ep4-routing-flat-ab*.json), rank by rank over
+  // flat: V4-Flash 1 token per rank 1.067 / 1.081, 128 1.032 / 1.028, 16 1.036 / 0.949; V4-Pro 1 1.055 / 0.962, 16-128
+  // 0.993-1.004. At 512 (three flat passes, then the rule was "fewer passes than ranks") 0.997 / 0.970 and 0.998 /
+  // 0.987: one pass only.
+  constexpr int kFlatIds = 4;
+  int total = 0;
+  for (int r = 0; r < num_ranks; ++r) total += rank_tokens[r] * top_k;
+  const int per_pass = kFlatIds * static_cast<int>(blockDim.x);
+  if (flat_reads && num_ranks > 1 && total <= per_pass) {
+    int id[kFlatIds], slot_rank[kFlatIds], slot[kFlatIds];
+#pragma unroll
+    for (int u = 0; u < kFlatIds; ++u) {
+      const int g = u * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
+      int r = 0, first = 0;  // g's rank and its first slot (ranks are few: a walk over shared memory)
+      while (r < num_ranks - 1 && g >= first + rank_tokens[r] * top_k) first += rank_tokens[r] * top_k, ++r;
+      slot_rank[u] = r, slot[u] = g - first;
+      id[u] = g < total ? __ldcg(reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.topk_idx_offset) + slot[u])
+                        : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kFlatIds; ++u)
+      if (u * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x) < total)
+        count_slot(slot_rank[u], slot[u], id[u]);
+  } else {
+    for (int r = 0; r < num_ranks; ++r) {
+      const int* ids = reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.topk_idx_offset);
+      for_each_slot(ids, rank_tokens[r] * top_k, [&](int i, int id) { count_slot(r, i, id); });
+    }
   }
   __syncthreads();
   trace.stamp();
@@ -454,7 +486,7 @@ void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int ran
   // The limit is set once per device (allow_dynamic_smem), so to what any layout may ask, not to this call's size.
   allow_dynamic_smem<routing_kernel>(kRoutingMaxSmem);
   launch_pdl(routing_kernel, dim3(1), dim3(kRoutingThreads), smem.bytes(), stream, buffer, layout, rank, num_tokens,
-             block_m, tail_rows, recv_stats, static_cast<int>(smem.cached_slots));
+             block_m, tail_rows, recv_stats, static_cast<int>(smem.cached_slots), heuristics::routing_flat_reads());
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
