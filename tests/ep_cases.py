@@ -185,12 +185,24 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_f
         log(f"[{shape}] {name} (tokens per rank {uneven}): bitwise equal to EP=1")
 
     # Routing reads every rank's slot ids in one flat pass where they fit one pass of its block (decode), else rank by
-    # rank (heuristics::routing_flat_reads): the same counts, so the same bits, also where ranks differ.
+    # rank (heuristics::routing_flat_reads): the same counts, so the same bits, also where ranks differ. By default:
+    # empty ranks between others, and the largest flat pass (4,096 slots) and one slot group past it where the
+    # capacity reaches them (small at 4 ranks and more).
     for i, (name, flat_here) in enumerate((("routing flat on even ranks, rank by rank on odd", rank % 2 == 0),
                                            ("routing rank by rank on every rank", False))):
         with env_set("MEGAMOE_ROUTING_FLAT", "1" if flat_here else "0"):
             run_case(layer, buf, name, uneven, 155 + i)
         log(f"[{shape}] {name} (tokens per rank {uneven}): bitwise equal to EP=1")
+    gaps = [0 if r % 2 else (7 * r + 3) % cap + 1 for r in range(world)]
+    run_case(layer, buf, "empty odd ranks", gaps, 157)
+    log(f"[{shape}] empty odd ranks (tokens per rank {gaps}): bitwise equal to EP=1")
+    flat_tokens = 4096 // layer.top_k  # routing's flat pass: 4 ids x 1024 threads
+    for i, total in enumerate((flat_tokens, flat_tokens + 1)):
+        if total > world * cap:
+            continue
+        edge = [min(cap, total - min(total, cap * r)) for r in range(world)]
+        run_case(layer, buf, f"{total * layer.top_k} routed slots", edge, 158 + i)
+        log(f"[{shape}] {total * layer.top_k} routed slots (tokens per rank {edge}): bitwise equal to EP=1")
 
     # MXFP4 w4a4: a rank folds its tokens upstream only while the fold's workspace (every rank's pool rows) stays under
     # heuristics::kFp4FoldMxfp4MaxBytes, so with many ranks a prefill-sized buffer converts them in the tiles instead

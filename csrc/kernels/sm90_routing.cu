@@ -160,10 +160,10 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   __syncthreads();
   // Count pass: slot i of rank r (id read locally or over NVLink) counted for its local expert, which the cache keeps
   // for the scatter pass. Each rank reports its own tokens' bad ids.
-  auto count_slot = [&](int r, int i, int id) {
+  auto count_slot = [&](int r, int cached_at, int i, int id) {
     const int e = local_expert(id, l, rank, buffer, i, r == rank);
     if (e >= 0) atomicAdd(&count[e], 1);
-    if (rank_cache[r] >= 0) cache[rank_cache[r] + i] = static_cast<int16_t>(e);
+    if (cached_at >= 0) cache[cached_at + i] = static_cast<int16_t>(e);
   };
   // NOTES: at decode a rank's ids take one load latency (over NVLink ~1-2 us), and read rank after rank they cost
   // one round trip per rank (EP=8: eight in a row; EP=8 audit, 2026-11-26). With peers, where every rank's slots
@@ -171,7 +171,8 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   // tokens per rank at EP=4, top-6), the block reads them so: all ranks' ids in flight at once. Else (one rank,
   // larger batches) rank by rank, 16-byte loads. 4 x H200 EP=4 FP8 A/B (2026-11-26, bench_ep --alt-env
   // MEGAMOE_ROUTING_FLAT=0, two runs; docs/bench/h200x4-2026-11-26o-ep4-routing-flat-ab*.json), rank by rank over
-  // flat: V4-Flash 1 token per rank 1.067 / 1.081, 128 1.032 / 1.028, 16 1.036 / 0.949; V4-Pro 1 1.055 / 0.962, 16-128
+  // flat: V4-Flash 1 token per rank 1.067 / 1.081 (a third run, final rule: 1.068), 128 1.032 / 1.028; within the
+  // benchmark's spread (rows straddling 1.0): V4-Flash 16 1.036 / 0.949, V4-Pro 1 1.055 / 0.962, V4-Pro 16-128
   // 0.993-1.004. At 512 (three flat passes, then the rule was "fewer passes than ranks") 0.997 / 0.970 and 0.998 /
   // 0.987: one pass only.
   constexpr int kFlatIds = 4;
@@ -192,11 +193,12 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
 #pragma unroll
     for (int u = 0; u < kFlatIds; ++u)
       if (u * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x) < total)
-        count_slot(slot_rank[u], slot[u], id[u]);
+        count_slot(slot_rank[u], rank_cache[slot_rank[u]], slot[u], id[u]);
   } else {
     for (int r = 0; r < num_ranks; ++r) {
       const int* ids = reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.topk_idx_offset);
-      for_each_slot(ids, rank_tokens[r] * top_k, [&](int i, int id) { count_slot(r, i, id); });
+      const int cached_at = rank_cache[r];
+      for_each_slot(ids, rank_tokens[r] * top_k, [&](int i, int id) { count_slot(r, cached_at, i, id); });
     }
   }
   __syncthreads();
