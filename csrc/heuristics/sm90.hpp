@@ -173,11 +173,9 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   // launches (2026-11-23, docs/bench/h100-2026-11-23b-ab-fused-v2*.json): V4-Pro T=1 / 2048 / 4096 -4.3 / -16 /
   // -11 %, V4-Flash T=512 / 4096 -5.6 / -4.7 %, V4-Flash T=1 and 8192 within 1 % (second run). With peers
   // (2xH200 EP=2, V4-Flash, bench_ep --alt-env, two runs, docs/bench/h200-2026-11-23-ep2-fused-ab*.json):
-  // 16-512 tokens per rank -5 %, 2048 -8 %, 1 within noise (+4.7 / -1.4 %), 8192 +2.2 / +5.0 %: there the
-  // two launches stay. The cut is on rows per local expert (num_tokens is this rank's count, and every rank
-  // sends about as many, so rows = what a local expert receives): 2048 tokens per rank at EP=2 V4-Flash is 96
-  // rows, 8192 is 384 — as 2048 tokens per rank at EP=8 would be. MEGAMOE_FP8_FUSED=1 / =0 forces one launch /
-  // two everywhere (read per call: tests and bench_ep compare both in one process).
+  // 16-512 tokens per rank -5 %, 2048 -8 %, 1 within noise (+4.7 / -1.4 %), 8192 +2.2 / +5.0 % (two launches
+  // then kept past 96 rows per local expert; not since 2026-11-27, below). MEGAMOE_FP8_FUSED=1 / =0 forces one
+  // launch / two everywhere (read per call: tests and bench_ep compare both in one process).
   const char* fused_env = std::getenv("MEGAMOE_FP8_FUSED");
   // On one rank, two launches where L1's expected tiles fit one round of the grid (V4-Flash T=1: 96 tiles on 132
   // SMs): all of L1 ends at once, so there is no L1 tail for L2 to overlap, and the walk's per-tile counting costs
@@ -187,7 +185,12 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   const bool one_round_l1 = expected_touched_experts(num_tokens, top_k, num_experts) *
                                 double((2 * intermediate + 255) / 256) <= double(num_sms);
   const bool forced = fused_env != nullptr && fused_env[0] == '1', off = fused_env != nullptr && fused_env[0] == '0';
-  c.fused = forced || (!off && (num_ranks == 1 ? !one_round_l1 : rows <= 96));
+  // With peers: one launch at every size. NOTES: 4 x H100 EP=4 FP8 (2026-11-27, bench_ep, both orders; docs/bench/
+  // h100x4-2026-11-27-ep4-fp8-fused-*.json), two launches over one: V4-Flash 2048 / 8192 tokens per rank (192 / 768
+  // rows per local expert) 1.253 / 1.075 and 1.265 / 1.091, V4-Pro (128 / 512 rows) 1.348 / 1.098 and 1.347 / 1.115;
+  // 1024 (96 / 64 rows, one launch before too) 1.011 / 1.024. The cut at 96 rows came from EP=2 on 2026-11-23 (8192
+  // tokens per rank +2 / +5 % for one launch), before the fused walk's two producer warps and later changes.
+  c.fused = forced || (!off && (num_ranks > 1 || !one_round_l1));
   // NOTES: the pair walk (two CTAs of a cluster take two 64-row token blocks of one expert and TMA-multicast the
   // weight tile's halves into both) cuts the L2 -> SM bytes of a CTA-stage from 40 to 24 KB. Off by default: H100 A/B
   // (2026-11-25, docs/bench/h100-2026-11-25-ab-pairs-rejected.json) V4-Flash 4096 / 8192 +8 / +36 %, V4-Pro 8192
