@@ -128,11 +128,13 @@ inline void print_config_once(const char* family, int64_t num_tokens, int64_t to
 // 4096 (96 rows, block_m 128) 1.069 / 0.996, V4-Pro 4096 (64) 1.018 / 1.008, V4-Pro 6144 (96) 0.985 / 0.989, T = 1 /
 // 512 1.00-1.01: not rotated there. With several ranks each rank decides from its own token count (the same bits
 // either way). MEGAMOE_FP4_ROTATE_ROUNDS=0 / 1 (read per call; tests) forces it off / on. The FP8 kernel's static walk
-// (two launches: one rank at one round of L1 tiles, peers past 96 rows per local expert) takes the same rule
-// (MEGAMOE_FP8_ROTATE_ROUNDS; choose_grouped_gemm). NOTES: 4 x H200 EP=4 FP8 A/B (2026-11-26, two runs, rotated over
-// not, docs/bench/h200x4-2026-11-26o-ep4-fp8-rotate-ab*.json): V4-Pro 2048 / 8192 tokens per rank (128 / 512 rows,
-// 2 / 8 blocks) 0.972 / 0.970 and 0.970 / 0.963; V4-Flash 2048 / 8192 1.011 / 1.002 and 0.996 / 0.995. One GPU: the
-// static walk runs at V4-Flash T=1 only (not rotated), the patch forcing it was neutral (0.993-1.005).
+// (two launches: by default only one rank at one round of L1 tiles, where it does not rotate; MEGAMOE_FP8_FUSED=0
+// elsewhere) takes the same rule (MEGAMOE_FP8_ROTATE_ROUNDS; choose_grouped_gemm). NOTES: measured while peers ran two
+// launches past 96 rows per local expert, 4 x H200 EP=4 FP8 A/B (2026-11-26, two runs, rotated over not,
+// docs/bench/h200x4-2026-11-26o-ep4-fp8-rotate-ab*.json): V4-Pro 2048 / 8192 tokens per rank (128 / 512 rows, 2 / 8
+// blocks) 0.972 / 0.970 and 0.970 / 0.963; V4-Flash 2048 / 8192 1.011 / 1.002 and 0.996 / 0.995. The same session
+// then measured one launch faster still there (choose_grouped_gemm), so the rotation runs where two launches are
+// forced.
 inline bool rotate_rounds(const char* var, int64_t expected_rows, int block_m, int tail_rows) {
   const char* env = std::getenv(var);
   if (env != nullptr && (env[0] == '0' || env[0] == '1') && env[1] == '\0') return env[0] == '1';
