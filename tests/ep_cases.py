@@ -176,8 +176,8 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_f
         run_case(layer, buf, name, counts, 100 + i, **kw)
         log(f"[{shape}] {name} (tokens per rank {counts}): bitwise equal to EP=1")
 
-    # FP8: each rank picks one launch for L1 + L2 or two by its own token count (heuristics/sm90.hpp), so ranks
-    # may differ: mixed modes, and two launches everywhere, give the same bits.
+    # FP8: one launch for L1 + L2 or two (heuristics/sm90.hpp: one with peers since 2026-11-27; each rank decides
+    # for itself, and MEGAMOE_FP8_FUSED per rank): mixed modes, and two launches everywhere, give the same bits.
     for i, (name, fused_here) in enumerate((("one launch on even ranks, two on odd", rank % 2 == 0),
                                             ("two launches on every rank", False))):
         with env_set("MEGAMOE_FP8_FUSED", "1" if fused_here else "0"):

@@ -9,7 +9,6 @@
 #include <mutex>
 #include <set>
 #include <string>
-#include <tuple>
 
 namespace megamoe::heuristics {
 
@@ -101,18 +100,24 @@ inline int forced_block_m(const char* var, int block_m, int max_block_m) {
   return block_m;
 }
 
-// MEGAMOE_PRINT_CONFIGS: each configuration chosen, once per problem shape and weight family.
+// MEGAMOE_PRINT_CONFIGS: each configuration chosen, once per problem shape, weight family and configuration (a
+// setting switched per call prints its own line). The FP8-only fields (one launch, pairs, tail rows, rotation) are
+// left out for FP4, whose tail rows and rotation are chosen after this (cuda_fp4_ops.cpp).
 inline void print_config_once(const char* family, int64_t num_tokens, int64_t top_k, int64_t num_experts,
                               int64_t hidden, int64_t intermediate, int64_t num_ranks, const GroupedGemmConfig& c) {
   if (std::getenv("MEGAMOE_PRINT_CONFIGS") == nullptr) return;
+  char line[320];
+  int n = std::snprintf(line, sizeof(line), "megamoe: sm90 %s grouped GEMM T=%lld K=%lld E=%lld H=%lld I=%lld ranks=%lld "
+                        "-> block_m=%d stages=%d", family, (long long)num_tokens, (long long)top_k,
+                        (long long)num_experts, (long long)hidden, (long long)intermediate, (long long)num_ranks,
+                        c.block_m, c.num_stages);
+  if (std::string(family) == "FP8" && n > 0 && n < int(sizeof(line)))
+    std::snprintf(line + n, sizeof(line) - n, " fused=%d pairs=%d tail_rows=%d rotate_rounds=%d", int(c.fused),
+                  int(c.pairs), c.tail_rows, int(c.rotate_rounds));
   static std::mutex mu;
-  static std::set<std::tuple<std::string, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>> printed;
+  static std::set<std::string> printed;
   std::lock_guard<std::mutex> lock(mu);
-  if (printed.insert({family, num_tokens, top_k, num_experts, hidden, intermediate, num_ranks}).second)
-    std::printf("megamoe: sm90 %s grouped GEMM T=%lld K=%lld E=%lld H=%lld I=%lld ranks=%lld -> block_m=%d stages=%d "
-                "fused=%d pairs=%d tail_rows=%d rotate_rounds=%d\n", family, (long long)num_tokens, (long long)top_k,
-                (long long)num_experts, (long long)hidden, (long long)intermediate, (long long)num_ranks, c.block_m,
-                c.num_stages, int(c.fused), int(c.pairs), c.tail_rows, int(c.rotate_rounds));
+  if (printed.insert(line).second) std::printf("%s\n", line);
 }
 
 // The FP4 kernels' static walk (CTA b takes units b, b + grid, ...) rotates each round's tiles by the round index
