@@ -184,7 +184,8 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
     peer = NcclPipeline(cfg, l1, l2, cap, device, weight_format, act_format)
     log(f"{model} {weight_format} weights, {act_format} activations: {bytes_per_expert / 1e6:.1f} MB per expert")
     log(f"{'model':9} {'T/rank':>6} {'us':>9} {'floor':>8} {'t/floor':>7} {'peer us':>9} {'speedup':>7} "
-        f"{'NVLink GB/s':>11} {'rel diff':>8}" + (f" {'alt us':>9} {'alt/us':>6} {'alt diff':>8}" if args.alt_env else ""))
+        f"{'NVLink GB/s':>11} {'rel diff':>8}" + (f" {'alt us':>9} {'alt/us':>6} {'alt diff':>8}" if args.alt_env else "")
+        + (f" {'graph us':>9}" if args.graph else ""))
     rows = []
     for t in tokens:
         g = torch.Generator().manual_seed(1000 * t + rank)
@@ -206,6 +207,16 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
                 y_alt = y.clone()
             finally:
                 os.environ.pop(var) if saved is None else os.environ.__setitem__(var, saved)
+        graph_us = None
+        if args.graph:  # the same call captured once per rank and replayed: no per-kernel host launches
+            fused()  # warm-up outside the capture
+            torch.cuda.synchronize()
+            dist.barrier()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fused()
+            graph_us = timed(graph.replay, args.iters)
+            del graph
         peer_us = timed(lambda: peer(x, idx, w), args.iters)
         y_peer = peer(x, idx, w)
         fused()
@@ -236,6 +247,9 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
         if alt_us is not None:
             rows[-1].update(alt_env=args.alt_env, alt_us=round(alt_us, 2), alt_max_abs_diff=alt_diff)
             alt = f" {alt_us:9.1f} {alt_us / us:6.3f} {alt_diff:8.1e}"
+        if graph_us is not None:
+            rows[-1].update(graph_us=round(graph_us, 2))
+            alt += f" {graph_us:9.1f}"
         log(f"{model:9} {t:6d} {us:9.1f} {floor.item():8.1f} {us / floor.item():7.2f} {peer_us:9.1f} "
             f"{peer_us / us:7.2f} {gbps:11.1f} {diff:8.1e}{alt}")
     return rows
@@ -252,6 +266,9 @@ def main():
     parser.add_argument("--alt-env", default=None,
                         help="VAR=VALUE: also time the fused op with this kernel switch set, in the same run "
                              "(e.g. MEGAMOE_FP8_FUSED=1); rows get alt_us and the largest difference of outputs")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time the fused op captured in a CUDA graph per rank (graph_us): eager launches of "
+                             "several processes spread the decode rows between runs")
     parser.add_argument("--profile", action="store_true",
                         help="also print the fused op's per-kernel GPU times (torch.profiler, rank 0)")
     parser.add_argument("--plot", default=None, help="PNG of the results (with --from-json: no GPU run)")
