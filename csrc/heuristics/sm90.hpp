@@ -117,7 +117,10 @@ inline void print_config_once(const char* family, int64_t num_tokens, int64_t to
   static std::mutex mu;
   static std::set<std::string> printed;
   std::lock_guard<std::mutex> lock(mu);
-  if (printed.insert(line).second) std::printf("%s\n", line);
+  if (printed.insert(line).second) {
+    std::printf("%s\n", line);
+    std::fflush(stdout);  // one line at a time where ranks share a pipe
+  }
 }
 
 // The FP4 kernels' static walk (CTA b takes units b, b + grid, ...) rotates each round's tiles by the round index
@@ -192,9 +195,10 @@ inline GroupedGemmConfig choose_grouped_gemm(int64_t num_tokens, int64_t top_k, 
   const bool one_round_l1 = expected_touched_experts(num_tokens, top_k, num_experts) *
                                 double((2 * intermediate + 255) / 256) <= double(num_sms);
   const bool forced = fused_env != nullptr && fused_env[0] == '1', off = fused_env != nullptr && fused_env[0] == '0';
-  // With peers: one launch at every size. NOTES: 4 x H100 EP=4 FP8 (2026-11-27, bench_ep, both orders; docs/bench/
-  // h100x4-2026-11-27-ep4-fp8-fused-*.json), two launches over one: V4-Flash 2048 / 8192 tokens per rank (192 / 768
-  // rows per local expert) 1.253 / 1.075 and 1.265 / 1.091, V4-Pro (128 / 512 rows) 1.348 / 1.098 and 1.347 / 1.115;
+  // With peers: one launch at every size. NOTES: 4 x H100 EP=4 FP8 (2026-11-27, bench_ep, three runs, one in reversed
+  // order, the third on this rule; docs/bench/h100x4-2026-11-27-ep4-fp8-fused-*.json), two launches over one:
+  // V4-Flash 2048 / 8192 tokens per rank (192 / 768 rows per local expert) 1.253 / 1.075, 1.265 / 1.091 and 1.260 /
+  // 1.094, V4-Pro (128 / 512 rows) 1.348 / 1.098, 1.347 / 1.115 and 1.349 / 1.142;
   // 1024 (96 / 64 rows, one launch before too) 1.011 / 1.024. The cut at 96 rows came from EP=2 on 2026-11-23 (8192
   // tokens per rank +2 / +5 % for one launch), before the fused walk's two producer warps and later changes.
   c.fused = forced || (!off && (num_ranks > 1 || !one_round_l1));
