@@ -148,6 +148,20 @@ def run_case(layer: Layer, buf, name: str, counts: list[int], seed: int, **batch
     check_equal(name, got, want)
 
 
+def run_switch_mixed(layer: Layer, buf, shape: str, var: str, names: tuple[str, str], counts: list[int],
+                     seed: int) -> None:
+    """A per-call switch `var` on the even ranks and off on the odd ones (names[0]), then off everywhere (names[1]):
+    each bitwise equal to EP=1 with the default settings (paths that give the same bits, which ranks may mix)."""
+    rank = dist.get_rank()
+    for i, (name, on_here) in enumerate(((names[0], rank % 2 == 0), (names[1], False))):
+        x, idx, w = layer.batch(counts, seed + i)
+        want = my_rows(counts, layer.ep1(x, idx, w))
+        with env_set(var, "1" if on_here else "0"):
+            got = layer.moe(my_rows(counts, x), my_rows(counts, idx), my_rows(counts, w), buf, check=True)
+        check_equal(name, got, want)
+        log(f"[{shape}] {name} (tokens per rank {counts}): bitwise equal to EP=1")
+
+
 def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_format: str = "fp8",
                 act_format: str = "fp8") -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -178,21 +192,16 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_f
 
     # FP8: one launch for L1 + L2 or two (heuristics/sm90.hpp: one with peers since 2026-11-27; each rank decides
     # for itself, and MEGAMOE_FP8_FUSED per rank): mixed modes, and two launches everywhere, give the same bits.
-    for i, (name, fused_here) in enumerate((("one launch on even ranks, two on odd", rank % 2 == 0),
-                                            ("two launches on every rank", False))):
-        with env_set("MEGAMOE_FP8_FUSED", "1" if fused_here else "0"):
-            run_case(layer, buf, name, uneven, 150 + i)
-        log(f"[{shape}] {name} (tokens per rank {uneven}): bitwise equal to EP=1")
+    run_switch_mixed(layer, buf, shape, "MEGAMOE_FP8_FUSED",
+                     ("one launch on even ranks, two on odd", "two launches on every rank"), uneven, 150)
 
     # Routing reads every rank's slot ids in one flat pass where they fit one pass of its block (decode), else rank by
     # rank (heuristics::routing_flat_reads): the same counts, so the same bits, also where ranks differ. By default:
     # empty ranks between others, and the largest flat pass (4,096 slots) and one slot group past it where the
     # capacity reaches them (small at 4 ranks and more).
-    for i, (name, flat_here) in enumerate((("routing flat on even ranks, rank by rank on odd", rank % 2 == 0),
-                                           ("routing rank by rank on every rank", False))):
-        with env_set("MEGAMOE_ROUTING_FLAT", "1" if flat_here else "0"):
-            run_case(layer, buf, name, uneven, 155 + i)
-        log(f"[{shape}] {name} (tokens per rank {uneven}): bitwise equal to EP=1")
+    run_switch_mixed(layer, buf, shape, "MEGAMOE_ROUTING_FLAT",
+                     ("routing flat on even ranks, rank by rank on odd", "routing rank by rank on every rank"),
+                     uneven, 155)
     gaps = [0 if r % 2 else (7 * r + 3) % cap + 1 for r in range(world)]
     run_case(layer, buf, "empty odd ranks", gaps, 157)
     log(f"[{shape}] empty odd ranks (tokens per rank {gaps}): bitwise equal to EP=1")
@@ -210,14 +219,8 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_f
     # converters everywhere, against EP=1 with the default. (=1 does not lift the cap: in flash-large, ~600 MB at 2
     # ranks, both cases run the converters on every rank; small and flash mix the paths.)
     if weight_format == "mxfp4" and act_format == "fp4":
-        for i, (name, fold_here) in enumerate((("w4a4 fold on even ranks, converters on odd", rank % 2 == 0),
-                                               ("w4a4 converters on every rank", False))):
-            x, idx, w = layer.batch(uneven, 160 + i)
-            want = my_rows(uneven, layer.ep1(x, idx, w))
-            with env_set("MEGAMOE_FP4_FOLD_MXFP4", "1" if fold_here else "0"):
-                got = layer.moe(my_rows(uneven, x), my_rows(uneven, idx), my_rows(uneven, w), buf, check=True)
-            check_equal(name, got, want)
-            log(f"[{shape}] {name} (tokens per rank {uneven}): bitwise equal to EP=1")
+        run_switch_mixed(layer, buf, shape, "MEGAMOE_FP4_FOLD_MXFP4",
+                         ("w4a4 fold on even ranks, converters on odd", "w4a4 converters on every rank"), uneven, 160)
 
     # Against the emulating float reference as well (not only against EP=1).
     counts = [min(cap, 9 + r) for r in range(world)]

@@ -59,7 +59,7 @@ void launch_fp8_grouped_gemms(const GroupedGemmArgs& l1, const GroupedGemmArgs& 
   p.l = layout;
   p.activation_clamp = how.activation_clamp;
   p.fast_math = how.fast_math;
-  p.rotate_rounds = how.rotate_rounds && !how.fused;
+  p.rotate_rounds = how.rotate_rounds;  // read by the static walk only (kL1 / kL2)
   switch (how.block_m) {
     case 16: return launch_block_m<16>(l1, l2, p, how.fused, how.pairs, num_sms, stream);
     case 32: return launch_block_m<32>(l1, l2, p, how.fused, how.pairs, num_sms, stream);
