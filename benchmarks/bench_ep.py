@@ -104,6 +104,20 @@ class NcclPipeline:
         return y.to(torch.bfloat16)
 
 
+def graph_time(fn) -> float:
+    """Median µs of one call inside a CUDA graph of 8 calls (bench_utils.time_in_graph: an event pair around each
+    call, L2 flushed before each), slowest rank. Calls follow each other as in a model's decode graph, so a rank's
+    call waits for its peers' through the op's own flags, not for the host barrier that aligns the eager timings
+    (the processes leave it tens of µs apart: the spread of the eager decode rows)."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    # A fixed number of warm-up replays, the same on every rank (each call joins the others' flags): 13 x 8 calls,
+    # past the ~90 slow calls after a capture (bench_utils.warm).
+    t = torch.tensor([bu.time_in_graph(fn, calls=8, replays=5, warm_replays=13)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def profile_kernels(fn, what: str, iters: int = 5) -> None:
     """Per-kernel mean GPU time of `fn` on rank 0 (all ranks run it, in step)."""
     from torch.profiler import ProfilerActivity, profile
@@ -118,6 +132,16 @@ def profile_kernels(fn, what: str, iters: int = 5) -> None:
         for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
             if ev.device_time_total > 0:
                 print(f"    {ev.device_time_total / iters:9.1f} us  x{ev.count // iters}  {ev.key[:90]}")
+        # The last call's kernels in order: start after the call's first kernel's start, duration (µs). A kernel
+        # that starts before its predecessor ends overlaps it (programmatic dependent launch).
+        kernels = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda ev: ev.time_range.start)
+        if kernels and len(kernels) % iters == 0:
+            last = kernels[-(len(kernels) // iters):]
+            t0 = last[0].time_range.start
+            print(f"  the last call's kernels (start, duration in us):")
+            for ev in last:
+                print(f"    {ev.time_range.start - t0:9.1f} {ev.time_range.elapsed_us():9.1f}  {ev.name[:90]}")
 
 
 def fused_bytes_moved(idx, num_local, rank, token_bytes, hidden):
@@ -185,7 +209,8 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
     log(f"{model} {weight_format} weights, {act_format} activations: {bytes_per_expert / 1e6:.1f} MB per expert")
     log(f"{'model':9} {'T/rank':>6} {'us':>9} {'floor':>8} {'t/floor':>7} {'peer us':>9} {'speedup':>7} "
         f"{'NVLink GB/s':>11} {'rel diff':>8}" + (f" {'alt us':>9} {'alt/us':>6} {'alt diff':>8}" if args.alt_env else "")
-        + (f" {'graph us':>9}" if args.graph else ""))
+        + (f" {'graph us':>9} {'g/floor':>7}" if args.graph else "")
+        + (f" {'alt g us':>9} {'alt/g':>6}" if args.graph and args.alt_env else ""))
     rows = []
     for t in tokens:
         g = torch.Generator().manual_seed(1000 * t + rank)
@@ -197,6 +222,10 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
         us = timed(fused, args.iters)
         if args.profile:
             profile_kernels(fused, f"{model} {weight_format}:{act_format} T/rank={t}")
+        graph_us = y_graph = alt_graph_us = y_alt_graph = None
+        if args.graph:
+            graph_us = graph_time(fused)
+            y_graph = y.clone()
         alt_us = alt_diff = None
         if args.alt_env:  # the same op with a kernel switch set (read per call), timed in this run: an A/B
             var, value = args.alt_env.split("=", 1)
@@ -205,27 +234,18 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
             try:
                 alt_us = timed(fused, args.iters)
                 y_alt = y.clone()
+                if args.graph:  # captured with the switch set: the host reads it while recording the launches
+                    alt_graph_us = graph_time(fused)
+                    y_alt_graph = y.clone()
             finally:
                 os.environ.pop(var) if saved is None else os.environ.__setitem__(var, saved)
-        graph_us = None
-        if args.graph:  # the same call captured once per rank and replayed: no per-kernel host launches
-            fused()  # warm-up outside the capture
-            torch.cuda.synchronize()
-            dist.barrier()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fused()
-            # Right after a capture the op runs slow for ~90 calls (bench_utils.warm): a fixed count, the same on every
-            # rank (each call takes part in the cross-rank flags).
-            graph_us = timed(graph.replay, args.iters, warmup=100)
-            y_graph = y.clone()
-            del graph
         peer_us = timed(lambda: peer(x, idx, w), args.iters)
         y_peer = peer(x, idx, w)
         fused()
         if alt_us is not None:
             alt_diff = (y_alt.float() - y.float()).abs().max().item()
-        graph_diff = (y_graph.float() - y.float()).abs().max().item() if graph_us is not None else None
+        graph_diff = max((g.float() - ref.float()).abs().max().item() for g, ref in ((y_graph, y), (y_alt_graph, y_alt))
+                         if g is not None) if args.graph else None  # each graph against its eager output
         diff = ((y.float() - y_peer.float()).norm() / y_peer.float().norm().clamp_min(1e-30)).item()
         # Floor of the slowest rank: its touched local experts' weight bytes, its FLOPs.
         all_idx = [torch.empty_like(idx) for _ in range(world)]
@@ -252,8 +272,12 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
             rows[-1].update(alt_env=args.alt_env, alt_us=round(alt_us, 2), alt_max_abs_diff=alt_diff)
             alt = f" {alt_us:9.1f} {alt_us / us:6.3f} {alt_diff:8.1e}"
         if graph_us is not None:
-            rows[-1].update(graph_us=round(graph_us, 2), graph_max_abs_diff=graph_diff)
-            alt += f" {graph_us:9.1f}"
+            rows[-1].update(graph_us=round(graph_us, 2), graph_over_floor=round(graph_us / floor.item(), 3),
+                            graph_max_abs_diff=graph_diff)
+            alt += f" {graph_us:9.1f} {graph_us / floor.item():7.2f}"
+            if alt_graph_us is not None:
+                rows[-1].update(alt_graph_us=round(alt_graph_us, 2))
+                alt += f" {alt_graph_us:9.1f} {alt_graph_us / graph_us:6.3f}"
         log(f"{model:9} {t:6d} {us:9.1f} {floor.item():8.1f} {us / floor.item():7.2f} {peer_us:9.1f} "
             f"{peer_us / us:7.2f} {gbps:11.1f} {diff:8.1e}{alt}")
     return rows
@@ -271,9 +295,10 @@ def main():
                         help="VAR=VALUE: also time the fused op with this kernel switch set, in the same run "
                              "(e.g. MEGAMOE_FP8_FUSED=1); rows get alt_us and the largest difference of outputs")
     parser.add_argument("--graph", action="store_true",
-                        help="also time the fused op captured in a CUDA graph per rank (graph_us: per replay, the "
-                             "graph launch included; always the default settings, not --alt-env's), after 100 "
-                             "warm-up replays; eager launches of several processes spread the decode rows between runs")
+                        help="also time the fused op inside a CUDA graph of 8 calls per rank (graph_us: per call, "
+                             "slowest rank's median; with --alt-env also alt_graph_us), after 104 warm-up calls; "
+                             "eager calls each start after a host barrier that leaves the processes tens of µs "
+                             "apart, which spreads the decode rows")
     parser.add_argument("--profile", action="store_true",
                         help="also print the fused op's per-kernel GPU times (torch.profiler, rank 0)")
     parser.add_argument("--plot", default=None, help="PNG of the results (with --from-json: no GPU run)")

@@ -74,11 +74,13 @@ def time_graph(fn: Callable[[], None], *, iters: int = 20, warmup: int = 3, flus
     return time_events(graph.replay, iters=iters, warmup=warmup, flush=flush)
 
 
-def time_in_graph(fn: Callable[[], None], *, calls: int = 8, replays: int = 5, flush: bool = True) -> float:
+def time_in_graph(fn: Callable[[], None], *, calls: int = 8, replays: int = 5, flush: bool = True,
+                  warm_replays: int | None = None) -> float:
     """Median microseconds of `fn` inside a CUDA graph of `calls` copies of [L2 flush, event, fn, event], replayed
     `replays` times; a call's time is its end event minus its start event (event-record nodes). Unlike
     time_graph, no call pays the graph's own launch (~10 us per replay on the H100, 2026-11-23): so a model
-    whose decode step is one graph sees the layer."""
+    whose decode step is one graph sees the layer. `warm_replays`: exactly that many warm-up replays instead of
+    warm()'s timed loop (expert parallelism: every rank must replay as often, each call joins the others' flags)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -97,7 +99,12 @@ def time_in_graph(fn: Callable[[], None], *, calls: int = 8, replays: int = 5, f
                 fn()
                 end.record()
     torch.cuda.current_stream().wait_stream(stream)
-    warm(graph.replay, min_calls=100 // calls, flush=False)  # each replay flushes before each of its calls
+    if warm_replays is None:
+        warm(graph.replay, min_calls=100 // calls, flush=False)  # each replay flushes before each of its calls
+    else:
+        for _ in range(warm_replays):
+            graph.replay()
+        torch.cuda.synchronize()
     times = []
     for _ in range(replays):
         graph.replay()

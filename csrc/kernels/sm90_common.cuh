@@ -528,12 +528,8 @@ __device__ __forceinline__ TileInfo decode_tile_warp(int tile, const int* tile_o
 // b + grid, ... (round r = unit / grid), and round r's units map to its tiles rotated by r, unit r grid + b -> tile
 // r grid + (b + r) mod (the round's tiles, `count` in all). Each round keeps its tiles (the blocks a wave shares in
 // L2); a CTA no longer takes the same token block of every expert where the grid (132) is a multiple of the experts'
-// token-block count (decode_tile_warp: token blocks innermost). Needs unit < count (callers map the units past the
-// walk's end to themselves). Known exception: the FP4 kernel evaluates a CTA's first split_unit before checking it
-// against the walk (the result is then unused: early = 0), so with rotation on and no whole tile (a rank that
-// receives no rows) it takes a remainder by zero there (an unspecified value on the GPU, discarded). A guard changes the
-// SASS of every FP4 kernel (250-3,000 instructions reordered, nvcc 13.0), so it waits for a device session that
-// re-measures them.
+// token-block count (decode_tile_warp: token blocks innermost). Needs unit < count: callers map the units past the
+// walk's end to themselves (a remainder by zero otherwise where a rank has no tile).
 __device__ __forceinline__ int rotated_tile(int unit, int count) {
   const int grid = static_cast<int>(gridDim.x), r = unit / grid, pos = unit - r * grid;
   const int round_tiles = min(grid, count - r * grid);  // > pos: unit < count

@@ -197,8 +197,10 @@ struct SplitUnit {
 template <bool kSplitK>
 __device__ __forceinline__ SplitUnit split_unit(int unit, const SplitPlan& plan, int num_kblocks, bool rotate) {
   if (!kSplitK || unit < plan.whole) {
-    if (!rotate) return {unit, -1, 0, num_kblocks};
-    return {rotated_tile(unit, plan.whole), -1, 0, num_kblocks};  // unit < plan.whole
+    // Past the walk's end (a CTA's first unit is computed before it is checked against the walk: a rank with no rows
+    // has no whole tile) the unit maps to itself, as rotated_tile requires.
+    if (!rotate || unit >= plan.whole) return {unit, -1, 0, num_kblocks};
+    return {rotated_tile(unit, plan.whole), -1, 0, num_kblocks};
   }
   const int r = unit - plan.whole, s = plan.splits;
   SplitUnit u;
