@@ -226,7 +226,7 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
         if args.graph:
             graph_us = graph_time(fused)
             y_graph = y.clone()
-        alt_us = alt_diff = None
+        alt_us = alt_diff = y_alt = None
         if args.alt_env:  # the same op with a kernel switch set (read per call), timed in this run: an A/B
             var, value = args.alt_env.split("=", 1)
             saved = os.environ.get(var)
