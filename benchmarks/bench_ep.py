@@ -132,16 +132,53 @@ def profile_kernels(fn, what: str, iters: int = 5) -> None:
         for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
             if ev.device_time_total > 0:
                 print(f"    {ev.device_time_total / iters:9.1f} us  x{ev.count // iters}  {ev.key[:90]}")
-        # The last call's kernels in order: start after the call's first kernel's start, duration (µs). A kernel
-        # that starts before its predecessor ends overlaps it (programmatic dependent launch).
-        kernels = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
-                         key=lambda ev: ev.time_range.start)
-        if kernels and len(kernels) % iters == 0:
-            last = kernels[-(len(kernels) // iters):]
-            t0 = last[0].time_range.start
-            print(f"  the last call's kernels (start, duration in us):")
-            for ev in last:
-                print(f"    {ev.time_range.start - t0:9.1f} {ev.time_range.elapsed_us():9.1f}  {ev.name[:90]}")
+        # Eagerly the first kernel's PDL wait absorbs the wait for the previous call, i.e. for the peers: read
+        # the order and the overlaps here, the gaps in the graph's timeline (profile_graph).
+        print_last_call(prof, iters, "eager")
+
+
+def print_last_call(prof, calls: int, what: str) -> None:
+    """The last of `calls` profiled calls' kernels in order: start after the call's first kernel's start, duration
+    (µs). A kernel that starts before its predecessor ends overlaps it (programmatic dependent launch)."""
+    kernels = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda ev: ev.time_range.start)
+    if not kernels or len(kernels) % calls:
+        print(f"  {what}: {len(kernels)} kernels for {calls} calls, no timeline")
+        return
+    last = kernels[-(len(kernels) // calls):]
+    t0 = last[0].time_range.start
+    print(f"  {what}, the last call's kernels (start, duration in us):")
+    for ev in last:
+        print(f"    {ev.time_range.start - t0:9.1f} {ev.time_range.elapsed_us():9.1f}  {ev.name[:90]}")
+
+
+def profile_graph(fn, what: str, calls: int = 8) -> None:
+    """The kernels of one call inside a CUDA graph of `calls` calls, two replays profiled on rank 0 (no L2 flush;
+    every rank replays as often). In a graph no call waits for a host launch or a host barrier, so the gaps between
+    kernels are the chain's own: the waits for the peers' flags and the launches' latencies."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(13):  # past the slow calls after a capture (bench_utils.warm), the same count on every rank
+        graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            graph.replay()
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        print_last_call(prof, 2 * calls, f"{what} in a graph of {calls} calls")
+    del graph
 
 
 def fused_bytes_moved(idx, num_local, rank, token_bytes, hidden):
@@ -224,6 +261,8 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
         us = timed(fused, args.iters)
         if args.profile:
             profile_kernels(fused, f"{model} {weight_format}:{act_format} T/rank={t}")
+            if args.graph:
+                profile_graph(fused, f"{model} {weight_format}:{act_format} T/rank={t}")
         graph_us = y_graph = alt_graph_us = y_alt_graph = None
         if args.graph:
             graph_us = graph_time(fused)
@@ -302,7 +341,8 @@ def main():
                              "eager calls each start after a host barrier that the processes leave at different "
                              "times, which spreads the decode rows")
     parser.add_argument("--profile", action="store_true",
-                        help="also print the fused op's per-kernel GPU times (torch.profiler, rank 0)")
+                        help="also print the fused op's per-kernel GPU times and one call's kernels in order (torch.profiler, "
+                             "rank 0); with --graph also one call's kernels inside a graph of 8 calls")
     parser.add_argument("--plot", default=None, help="PNG of the results (with --from-json: no GPU run)")
     parser.add_argument("--from-json", default=None, help="comma list of result files to plot")
     args = parser.parse_args()
