@@ -24,6 +24,7 @@ the fused op moves between GPUs (remote token rows in, remote bf16 expert output
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -104,11 +105,27 @@ class NcclPipeline:
         return y.to(torch.bfloat16)
 
 
+@contextlib.contextmanager
+def env_setting(assignment: str):
+    """VAR=VALUE set for the block (the kernel switches are read per call), then restored."""
+    var, value = assignment.split("=", 1)
+    saved = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(var)
+        else:
+            os.environ[var] = saved
+
+
 def graph_time(fn) -> float:
     """Median µs of one call inside a CUDA graph of 8 calls (bench_utils.time_in_graph: an event pair around each
     call, L2 flushed before each), slowest rank. Calls follow each other as in a model's decode graph, so a rank's
     call waits for its peers' through the op's own flags, not for the host barrier that starts each eager timing
-    (the processes leave it at different times) nor for host launches (the spread of the eager decode rows)."""
+    (the processes leave it at different times) nor for host launches (the spread of the eager decode rows); only
+    each replay's first call follows a host sync (1 call in 8; the median takes the others)."""
     torch.cuda.synchronize()
     dist.barrier()
     # A fixed number of warm-up replays, the same on every rank (each call joins the others' flags): 13 x 8 calls,
@@ -153,21 +170,14 @@ def print_last_call(prof, calls: int, what: str) -> None:
 
 
 def profile_graph(fn, what: str, calls: int = 8) -> None:
-    """The kernels of one call inside a CUDA graph of `calls` calls, two replays profiled on rank 0 (no L2 flush;
-    every rank replays as often). In a graph no call waits for a host launch or a host barrier, so the gaps between
+    """The kernels of one call inside a CUDA graph of `calls` calls: two replays profiled on every rank (each
+    replays as often), rank 0's printed; no L2 flush. In a graph no call waits for a host launch or a host barrier, so the gaps between
     kernels are the chain's own: the waits for the peers' flags and the launches' latencies."""
     from torch.profiler import ProfilerActivity, profile
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = bu.capture_graph(lambda: [fn() for _ in range(calls)])
     for _ in range(13):  # past the slow calls after a capture (bench_utils.warm), the same count on every rank
         graph.replay()
     torch.cuda.synchronize()
@@ -198,17 +208,19 @@ def plot(docs, path):
     def key_of(r):
         return r["model"], r["ranks"], r["format"], r["act_format"]
 
+    # Per call in a graph of 8 where every row has it (--graph), else eager: one measure in the panel.
+    in_graph = bool(rows) and all("graph_over_floor" in r for r in rows)
+    floor_key = "graph_over_floor" if in_graph else "time_over_floor"
     for key in sorted({key_of(r) for r in rows}):
         rs = sorted((r for r in rows if key_of(r) == key), key=lambda r: r["tokens_per_rank"])
         ts = [r["tokens_per_rank"] for r in rs]
         label = f"{key[0]} {key[2]}{'' if key[3] == 'fp8' else '-a4'} EP={key[1]}"
         axes[0].plot(ts, [r["speedup"] for r in rs], marker="o", label=label)
-        # Per call in a graph of 8 where measured (--graph), else eager.
-        axes[1].plot(ts, [r.get("graph_over_floor", r["time_over_floor"]) for r in rs], marker="o", label=label)
+        axes[1].plot(ts, [r[floor_key] for r in rs], marker="o", label=label)
     axes[0].set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="speedup",
                 title="fused EP op vs NCCL all_to_all pipeline")
     axes[1].set(xscale="log", xlabel="tokens per rank", ylabel="time / floor",
-                title="fused EP op vs floor" + (" (in a graph)" if all("graph_over_floor" in r for r in rows) else ""))
+                title="fused EP op vs floor" + (" (in a graph)" if in_graph else ""))
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
@@ -258,35 +270,33 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
         y = torch.empty_like(x)
 
         fused = bu.moe_step(x, idx, w, y, l1, l2, buf, weight_format)
+        # Eager A/B back to back first, then the graphs (a capture and its replays change what follows: warm()).
         us = timed(fused, args.iters)
-        if args.profile:
-            profile_kernels(fused, f"{model} {weight_format}:{act_format} T/rank={t}")
-            if args.graph:
-                profile_graph(fused, f"{model} {weight_format}:{act_format} T/rank={t}")
+        alt_us = alt_diff = y_alt = None
+        if args.alt_env:  # the same op with a kernel switch set (read per call), timed in this run: an A/B
+            with env_setting(args.alt_env):
+                alt_us = timed(fused, args.iters)
+                y_alt = y.clone()
         graph_us = y_graph = alt_graph_us = y_alt_graph = None
         if args.graph:
             graph_us = graph_time(fused)
             y_graph = y.clone()
-        alt_us = alt_diff = y_alt = None
-        if args.alt_env:  # the same op with a kernel switch set (read per call), timed in this run: an A/B
-            var, value = args.alt_env.split("=", 1)
-            saved = os.environ.get(var)
-            os.environ[var] = value
-            try:
-                alt_us = timed(fused, args.iters)
-                y_alt = y.clone()
-                if args.graph:  # captured with the switch set: the host reads it while recording the launches
+            if args.alt_env:  # captured with the switch set: the host reads it while recording the launches
+                with env_setting(args.alt_env):
                     alt_graph_us = graph_time(fused)
                     y_alt_graph = y.clone()
-            finally:
-                os.environ.pop(var) if saved is None else os.environ.__setitem__(var, saved)
+        if args.profile:
+            profile_kernels(fused, f"{model} {weight_format}:{act_format} T/rank={t}")
+            if args.graph:
+                profile_graph(fused, f"{model} {weight_format}:{act_format} T/rank={t}")
         peer_us = timed(lambda: peer(x, idx, w), args.iters)
         y_peer = peer(x, idx, w)
         fused()
         if alt_us is not None:
             alt_diff = (y_alt.float() - y.float()).abs().max().item()
-        graph_diff = max((g.float() - ref.float()).abs().max().item() for g, ref in ((y_graph, y), (y_alt_graph, y_alt))
-                         if g is not None) if args.graph else None  # each graph against its eager output
+        # Each graph's output against its eager output.
+        graph_diff = (y_graph.float() - y.float()).abs().max().item() if y_graph is not None else None
+        alt_graph_diff = (y_alt_graph.float() - y_alt.float()).abs().max().item() if y_alt_graph is not None else None
         diff = ((y.float() - y_peer.float()).norm() / y_peer.float().norm().clamp_min(1e-30)).item()
         # Floor of the slowest rank: its touched local experts' weight bytes, its FLOPs.
         all_idx = [torch.empty_like(idx) for _ in range(world)]
@@ -317,7 +327,7 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
                             graph_max_abs_diff=graph_diff)
             alt += f" {graph_us:9.1f} {graph_us / floor.item():7.2f}"
             if alt_graph_us is not None:
-                rows[-1].update(alt_graph_us=round(alt_graph_us, 2))
+                rows[-1].update(alt_graph_us=round(alt_graph_us, 2), alt_graph_max_abs_diff=alt_graph_diff)
                 alt += f" {alt_graph_us:9.1f} {alt_graph_us / graph_us:6.3f}"
         log(f"{model:9} {t:6d} {us:9.1f} {floor.item():8.1f} {us / floor.item():7.2f} {peer_us:9.1f} "
             f"{peer_us / us:7.2f} {gbps:11.1f} {diff:8.1e}{alt}")
@@ -337,7 +347,7 @@ def main():
                              "(e.g. MEGAMOE_FP8_FUSED=1); rows get alt_us and the largest difference of outputs")
     parser.add_argument("--graph", action="store_true",
                         help="also time the fused op inside a CUDA graph of 8 calls per rank (graph_us: per call, "
-                             "slowest rank's median; with --alt-env also alt_graph_us), after 104 warm-up calls; "
+                             "slowest rank's median; with --alt-env also alt_graph_us), after 3 eager and 104 graph warm-up calls; "
                              "eager calls each start after a host barrier that the processes leave at different "
                              "times, which spreads the decode rows")
     parser.add_argument("--profile", action="store_true",

@@ -58,18 +58,24 @@ def warm(fn: Callable[[], None], *, min_calls: int = 100, min_ms: float = 150.0,
         torch.cuda.synchronize()
 
 
-def time_graph(fn: Callable[[], None], *, iters: int = 20, warmup: int = 3, flush: bool = True) -> float:
-    """Median microseconds of one replay of a CUDA graph holding `fn`, L2 flushed before each replay."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+def capture_graph(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of what `body` launches, captured on a side stream that follows the current one."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         with torch.cuda.graph(graph, stream=stream):
-            fn()
+            body()
     torch.cuda.current_stream().wait_stream(stream)
+    return graph
+
+
+def time_graph(fn: Callable[[], None], *, iters: int = 20, warmup: int = 3, flush: bool = True) -> float:
+    """Median microseconds of one replay of a CUDA graph holding `fn`, L2 flushed before each replay."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    graph = capture_graph(fn)
     warm(graph.replay, flush=flush)
     return time_events(graph.replay, iters=iters, warmup=warmup, flush=flush)
 
@@ -86,19 +92,17 @@ def time_in_graph(fn: Callable[[], None], *, calls: int = 8, replays: int = 5, f
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(calls)]
     ends = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(calls)]
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        flush_l2()  # allocate the flush buffer outside the capture
-        with torch.cuda.graph(graph, stream=stream):
-            for start, end in zip(starts, ends):
-                if flush:
-                    flush_l2()
-                start.record()
-                fn()
-                end.record()
-    torch.cuda.current_stream().wait_stream(stream)
+
+    def body():
+        for start, end in zip(starts, ends):
+            if flush:
+                flush_l2()
+            start.record()
+            fn()
+            end.record()
+
+    flush_l2()  # allocate the flush buffer outside the capture
+    graph = capture_graph(body)
     if warm_replays is None:
         warm(graph.replay, min_calls=100 // calls, flush=False)  # each replay flushes before each of its calls
     else:
