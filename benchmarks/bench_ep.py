@@ -203,8 +203,13 @@ def plot(docs, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
     rows = [r for d in docs for r in d["rows"]]
+    # A colour per format pair, a line style per (model, ranks): the series stay apart with many files.
+    pairs = sorted({(r["format"], r["act_format"]) for r in rows})
+    setups = sorted({(r["model"], r["ranks"]) for r in rows})
+    styles = ["-", "--", ":", "-."]
+    markers = ["o", "s", "^", "v"]
     def key_of(r):
         return r["model"], r["ranks"], r["format"], r["act_format"]
 
@@ -215,19 +220,23 @@ def plot(docs, path):
         rs = sorted((r for r in rows if key_of(r) == key), key=lambda r: r["tokens_per_rank"])
         ts = [r["tokens_per_rank"] for r in rs]
         label = f"{key[0]} {key[2]}{'' if key[3] == 'fp8' else '-a4'} EP={key[1]}"
-        axes[0].plot(ts, [r["speedup"] for r in rs], marker="o", label=label)
-        axes[1].plot(ts, [r[floor_key] for r in rs], marker="o", label=label)
+        setup = setups.index((key[0], key[1]))
+        look = dict(color=f"C{pairs.index((key[2], key[3])) % 10}", linestyle=styles[setup % len(styles)],
+                    marker=markers[setup % len(markers)], label=label)
+        axes[0].plot(ts, [r["speedup"] for r in rs], **look)
+        axes[1].plot(ts, [r[floor_key] for r in rs], **look)
     axes[0].set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="speedup",
                 title="fused EP op vs NCCL all_to_all pipeline")
     axes[1].set(xscale="log", xlabel="tokens per rank", ylabel="time / floor",
                 title="fused EP op vs floor" + (" (in a graph)" if in_graph else ""))
     for ax in axes:
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
     gpu = docs[0]["gpu"].replace("NVIDIA ", "")
     formats = sorted({r["format"] + ("" if r["act_format"] == "fp8" else "-a4") for r in rows})
     fig.suptitle(f"megamoe expert parallelism, {', '.join(formats)}, {gpu}, {docs[0]['date']}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04 + 0.035 * ((len(labels) + 3) // 4), 1, 1))
     fig.savefig(path, dpi=80)
 
 
