@@ -120,6 +120,11 @@ def env_setting(assignment: str):
             os.environ[var] = saved
 
 
+# Warm-up replays of a graph of 8 calls, the same on every rank (each call joins the others' flags, so a time-based
+# warm-up could hang): 13 x 8 calls, past the ~90 slow calls after a capture (bench_utils.warm).
+GRAPH_WARM_REPLAYS = 13
+
+
 def graph_time(fn) -> float:
     """Median µs of one call inside a CUDA graph of 8 calls (bench_utils.time_in_graph: an event pair around each
     call, L2 flushed before each), slowest rank. Calls follow each other as in a model's decode graph, so a rank's
@@ -128,9 +133,7 @@ def graph_time(fn) -> float:
     each replay's first call follows a host sync (1 call in 8; the median takes the others)."""
     torch.cuda.synchronize()
     dist.barrier()
-    # A fixed number of warm-up replays, the same on every rank (each call joins the others' flags): 13 x 8 calls,
-    # past the ~90 slow calls after a capture (bench_utils.warm).
-    t = torch.tensor([bu.time_in_graph(fn, calls=8, replays=5, warm_replays=13)], device="cuda")
+    t = torch.tensor([bu.time_in_graph(fn, calls=8, replays=5, warm_replays=GRAPH_WARM_REPLAYS)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -171,14 +174,14 @@ def print_last_call(prof, calls: int, what: str) -> None:
 
 def profile_graph(fn, what: str, calls: int = 8) -> None:
     """The kernels of one call inside a CUDA graph of `calls` calls: two replays profiled on every rank (each
-    replays as often), rank 0's printed; no L2 flush. In a graph no call waits for a host launch or a host barrier, so the gaps between
-    kernels are the chain's own: the waits for the peers' flags and the launches' latencies."""
+    replays as often), rank 0's printed; no L2 flush. In a graph no call waits for a host launch or a host barrier,
+    so the gaps between kernels are the chain's own: the waits for the peers' flags and the launches' latencies."""
     from torch.profiler import ProfilerActivity, profile
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     graph = bu.capture_graph(lambda: [fn() for _ in range(calls)])
-    for _ in range(13):  # past the slow calls after a capture (bench_utils.warm), the same count on every rank
+    for _ in range(GRAPH_WARM_REPLAYS):
         graph.replay()
     torch.cuda.synchronize()
     dist.barrier()
@@ -356,12 +359,12 @@ def main():
                              "(e.g. MEGAMOE_FP8_FUSED=1); rows get alt_us and the largest difference of outputs")
     parser.add_argument("--graph", action="store_true",
                         help="also time the fused op inside a CUDA graph of 8 calls per rank (graph_us: per call, "
-                             "slowest rank's median; with --alt-env also alt_graph_us), after 3 eager and 104 graph warm-up calls; "
-                             "eager calls each start after a host barrier that the processes leave at different "
-                             "times, which spreads the decode rows")
+                             "slowest rank's median; with --alt-env also alt_graph_us), after 3 eager and 104 graph "
+                             "warm-up calls; eager calls each start after a host barrier that the processes leave at "
+                             "different times, which spreads the decode rows")
     parser.add_argument("--profile", action="store_true",
-                        help="also print the fused op's per-kernel GPU times and one call's kernels in order (torch.profiler, "
-                             "rank 0); with --graph also one call's kernels inside a graph of 8 calls")
+                        help="also print the fused op's per-kernel GPU times and one call's kernels in order "
+                             "(torch.profiler, rank 0); with --graph also one call's kernels inside a graph of 8 calls")
     parser.add_argument("--plot", default=None, help="PNG of the results (with --from-json: no GPU run)")
     parser.add_argument("--from-json", default=None, help="comma list of result files to plot")
     args = parser.parse_args()
