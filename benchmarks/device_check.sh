@@ -22,6 +22,8 @@
 #   ep: expert parallelism on every GPU of the machine: tests/test_ep.py (EP_FORMATS, default fp8:fp8) then bench_ep.py
 #   (V4-Flash, --formats EP_BENCH_FORMATS, default fp8), once per setting in EP_SETTINGS (space-separated, each
 #   "-" or a comma list of VAR=VALUE, e.g. "- MEGAMOE_FP8_FUSED=1"; EP_TESTS=0 / EP_BENCH=0 skip a step; EP_BENCH_ARGS, e.g. "--alt-env MEGAMOE_FP8_FUSED=1", go to bench_ep.py); logs in ep.log, rows in ep-<setting>.json.
+#   eptrace: the EP launch chain's phases at decode (ep_trace.py) on every GPU of the machine, from a MEGAMOE_PHASE_TRACE
+#   build, per EPTRACE_CASES entry (fmt:act:tokens per rank, default fp8:fp8:1 mxfp4:fp8:1), model EPTRACE_MODEL.
 #   Modes combine with commas (e.g. fp4,bench); BENCH_FORMATS picks bench_moe's --formats (default fp8).
 #   Pass MEGAMOE_COMMIT=<this tree's hash> for bench.json's commit: the device copy's git HEAD was stale on 2026-11-26.
 set -uo pipefail
@@ -51,7 +53,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$out/gpu.txt"
 
-if [ "$what" != stream ] && [ "$what" != ablate ] && [ "$what" != race ] && [ "$what" != poison ] && [ "$what" != probe ] && [ "$what" != trace ]; then  # these build their own trees (or none)
+if [ "$what" != stream ] && [ "$what" != ablate ] && [ "$what" != race ] && [ "$what" != poison ] && [ "$what" != probe ] && [ "$what" != trace ] && [ "$what" != eptrace ]; then  # these build their own trees (or none)
   start=$(date +%s)
   python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"
@@ -110,6 +112,17 @@ if has trace; then
       --format "$fmt" --act-format "$act" --tokens "$t" --json "$out/trace-$fmt-a$act-$t.json") \
       >"$out/trace-$fmt-a$act-$t.txt" 2>&1
     echo "== trace $spec"; grep -v "^CTAs inside\|^[0-9]*:[0-9]" "$out/trace-$fmt-a$act-$t.txt" | cut -c1-220
+  done
+fi
+if has eptrace; then
+  tree=$(patched_tree none build-eptrace.log MEGAMOE_NVCC_DEFINES=MEGAMOE_PHASE_TRACE) || exit 1
+  ngpu=$(nvidia-smi -L | wc -l)
+  for spec in ${EPTRACE_CASES:-fp8:fp8:1 mxfp4:fp8:1}; do
+    IFS=: read -r fmt act t <<<"$spec"
+    stamps=$(mktemp -d)
+    (cd "$tree" && PYTHONPATH="$tree:$tree/benchmarks" timeout 300 python3 -m torch.distributed.run --nproc-per-node $ngpu \
+      benchmarks/ep_trace.py --model "${EPTRACE_MODEL:-V4-Flash}" --format "$fmt" --act-format "$act" --tokens "$t" \
+      --dir "$stamps") 2>&1 | grep -v "^W\|^\*" | tee -a "$out/eptrace.log"
   done
 fi
 if has probe; then

@@ -169,7 +169,7 @@ def chain(kernels, t0) -> dict:
         if name == "routing":
             stamps = [us(v) for v in ks[0]["stamps"]]
             out[name]["phases"] = stamps
-            print("    routing phases (entry, waited, counted, scanned, scattered): "
+            print("    routing phases (entry, waited, barrier 0, token counts, counted, scanned, scattered): "
                   + " ".join(f"{v:.2f}" for v in stamps))
     return out
 

@@ -86,17 +86,18 @@ int max_active_clusters(dim3 block, size_t smem) {
 // lays them out before the GEMM's tiles): printed at the block's exit as "MMTRACE K <kernel> <block> <ns>...", so
 // the launch chain (pre_dispatch -> routing -> gather -> GEMM -> combine) can be read in one timeline. In other
 // builds every call is empty and compiles away.
+// MEGAMOE_PHASE_TRACE: these stamps only (no GEMM tile records), e.g. benchmarks/ep_trace.py.
 struct PhaseStamps {
-#ifdef MEGAMOE_TILE_TRACE
-  static constexpr int kMax = 6;
+#if defined(MEGAMOE_TILE_TRACE) || defined(MEGAMOE_PHASE_TRACE)
+  static constexpr int kMax = 8;
   unsigned long long t[kMax] = {};
   int n = 0;
   __device__ __forceinline__ void stamp() {
     if (n < kMax) t[n++] = ptx::globaltimer_ns();
   }
   __device__ void print(const char* kernel) const {
-    printf("MMTRACE K %s %d %d %llu %llu %llu %llu %llu %llu\n", kernel, blockIdx.x, n, t[0], t[1], t[2], t[3], t[4],
-           t[5]);
+    printf("MMTRACE K %s %d %d %llu %llu %llu %llu %llu %llu %llu %llu\n", kernel, blockIdx.x, n, t[0], t[1], t[2],
+           t[3], t[4], t[5], t[6], t[7]);
   }
 #else
   __device__ __forceinline__ void stamp() {}

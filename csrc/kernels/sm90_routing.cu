@@ -83,7 +83,9 @@ struct RoutingSmem {
 __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffer, layout::BufferLayout l, int rank,
                                                                   int num_tokens, int block_m, int tail_rows,
                                                                   int* recv_stats, int cached_slots, bool flat_reads) {
-  PhaseStamps trace;  // entry, after the dependency wait, counted, scanned, end (diagnostic builds only)
+  // entry, after the dependency wait, barrier 0 (with peers), the ranks' token counts, counted, scanned, end
+  // (diagnostic builds only; the stamps are taken with one rank too)
+  PhaseStamps trace;
   trace.stamp();
   int* expert_count = reinterpret_cast<int*>(buffer + l.expert_count_offset);
   int* expert_offset = reinterpret_cast<int*>(buffer + l.expert_offset_offset);
@@ -136,6 +138,7 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   } else if (threadIdx.x == 0) {
     peers_ok = true;
   }
+  trace.stamp();
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
     int n = r == rank ? num_tokens : peers_ok ? __ldcg(reinterpret_cast<const int*>(peer_buffer(buffer, l, r) +
                                                                                      l.num_tokens_offset))
@@ -149,6 +152,7 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
   if (threadIdx.x < 2) carry[threadIdx.x] = 0;
   __syncthreads();
+  trace.stamp();
   if (threadIdx.x == 0) {  // ranks in order, each cached whole or not at all
     int used = 0;
     for (int r = 0; r < num_ranks; ++r) {
@@ -289,7 +293,9 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
     if (threadIdx.x < kNumFoldTables) tables[threadIdx.x] = make_fold_table(threadIdx.x - kFoldHeadroom);
     __syncthreads();
   }
-  PhaseStamps trace;  // entry, after the dependency wait, end (diagnostic builds only)
+  // entry, after the dependency wait, the row count read, the block's first row stored (if any), end (diagnostic
+  // builds only; block 0 prints: at decode it holds every row)
+  PhaseStamps trace;
   trace.stamp();
   {  // hints for this block's first lines (see routing_kernel), while the routing kernel runs
     const int64_t first = int64_t(blockIdx.x) * blockDim.x / 32;  // never past the pool: a hint stays in the buffer
@@ -304,6 +310,7 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
   if (blockIdx.x == 0)
     for (int i = threadIdx.x; i < num_zero_words; i += blockDim.x) zero_words[i] = 0;
   const int num_rows = __ldcg(reinterpret_cast<const int*>(buffer + l.expert_offset_offset) + l.num_local_experts);
+  trace.stamp();
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * blockDim.x / 32;
   const int* pool_src = reinterpret_cast<const int*>(buffer + l.pool_src_offset);
@@ -397,9 +404,10 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
       if (has_global_sf) reinterpret_cast<float*>(buffer + l.dispatch_global_sf_offset)[row] = global_sf;
     }
     src = next_src;
+    if (row == first) trace.stamp();
   }
   trace.stamp();
-  if (threadIdx.x == 0) trace.print("gather");
+  if (threadIdx.x == 0 && blockIdx.x == 0) trace.print("gather");
 }
 
 // Blocks (token stride, 1024-channel chunk); 8 channels a thread; slots summed in slot order in float32.
@@ -412,7 +420,7 @@ constexpr int kCombineThreads = 128;
 constexpr int kCombineSlots = 8;  // slots of a token whose rows are loaded together (any top_k: in chunks)
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16* y, uint8_t* buffer,
                                                                   layout::BufferLayout l, int rank, int num_tokens) {
-  PhaseStamps trace;  // entry, after the dependency wait, end (diagnostic builds only)
+  PhaseStamps trace;  // entry, after the dependency wait, barrier 1 (with peers), end (diagnostic builds only)
   trace.stamp();
   const int top_k = static_cast<int>(l.top_k), hidden = static_cast<int>(l.hidden);
   const int c = (blockIdx.y * kCombineThreads + threadIdx.x) * 8;
@@ -442,6 +450,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16*
       __syncthreads();
     }
   }
+  trace.stamp();
   if (c >= hidden) return;
   for (int token = blockIdx.x; token < num_tokens; token += gridDim.x) {
     const int* ids = topk_idx + int64_t(token) * top_k;
