@@ -153,13 +153,11 @@ inline bool fp4_rotate_rounds(int64_t expected_rows, int block_m, int tail_rows)
 }
 
 // Routing's count pass with peers reads every rank's slot ids in one flat pass (one load round trip instead of one
-// per rank) where they fit one pass of the block (decode; sm90_routing.cu, NOTES there), loaded speculatively with
-// the ranks' token counts where each rank's slots fit its share of the pass (2). The same counts every way.
-// MEGAMOE_ROUTING_FLAT=1 (read per call; bench_ep --alt-env) reads the flat pass after the counts, =0 rank by rank.
-inline int routing_flat_reads() {
+// per rank) where they fit one pass of the block (decode; sm90_routing.cu, NOTES there). The same counts either way.
+// MEGAMOE_ROUTING_FLAT=0 (read per call; bench_ep --alt-env) reads rank by rank.
+inline bool routing_flat_reads() {
   const char* env = std::getenv("MEGAMOE_ROUTING_FLAT");
-  if (env != nullptr && (env[0] == '0' || env[0] == '1') && env[1] == '\0') return env[0] - '0';
-  return 2;
+  return !(env != nullptr && env[0] == '0' && env[1] == '\0');
 }
 
 // Expected experts with at least one of num_tokens x top_k uniformly routed slots: E (1 - (1 - k / E)^T).
