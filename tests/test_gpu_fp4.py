@@ -147,7 +147,8 @@ def fold_rows(x8: torch.Tensor, sf: torch.Tensor):
     return tiles, factors
 
 
-@pytest.mark.parametrize("hidden,inter,spread", [(640, 384, 12), (1024, 256, 4)])
+# 4608: 36 groups, two passes of the gather's per-warp stage (32 groups each).
+@pytest.mark.parametrize("hidden,inter,spread", [(640, 384, 12), (1024, 256, 4), (4608, 256, 5)])
 def test_mxfp4_w4a8_gather_fold_bits(hidden, inter, spread, monkeypatch):
     """L1's FP8 tokens on the FP8-wgmma path, folded by the gather per 128-K group: the dispatch rows and factors it
     leaves in the buffer equal a torch model of the fold bit for bit (fold_rows), for every pool row, hidden 640 (a
@@ -384,7 +385,8 @@ def test_mxfp4_block128_equals_block64(hidden, inter, spread, monkeypatch):
     assert torch.equal(run(128), y64)  # run to run
 
 
-@pytest.mark.parametrize("hidden,inter,spread", [(384, 256, 0), (640, 896, 3), (1024, 1024, 12), (256, 2048, 0)])
+@pytest.mark.parametrize("hidden,inter,spread", [(384, 256, 0), (640, 896, 3), (1024, 1024, 12), (256, 2048, 0),
+                                                  (4608, 256, 5)])
 def test_mxfp4_w4a4_upstream_fold_equals_converters(hidden, inter, spread, monkeypatch):
     """MXFP4 w4a4 on the FP8-wgmma path (heuristics::fp4_fold_mxfp4_tokens): the gather folds the dispatched MXFP4
     tokens into E4M3 rows of a workspace, L1 quantizes its outputs to MXFP4 and folds them for L2 in its epilogue
