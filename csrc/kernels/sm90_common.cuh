@@ -351,6 +351,87 @@ __device__ __forceinline__ uint32_t fold_mxfp4_group(const uint4 (&in)[4], uint3
   return tmax;
 }
 
+// Warp-level folds of one row's 128-K groups through a shared-memory stage of kFoldStageGroups groups (4 KB per warp):
+// the warp loads the groups' chunks with coalesced 16-byte loads (a warp instruction covers 512 contiguous bytes), lane
+// g folds group base + g, the warp stores the folded chunks coalesced. The gather and the pool fold passes use them.
+// NOTES: with a lane loading and storing its own group (lane stride 128 bytes: 32 lines per warp instruction) the
+// gather's folds ran 1-5 % slower at T >= 2048 (H100 A/B, 2026-11-27, docs/bench/h100-2026-11-27c-ab-gather-staged-
+// folds.json: staged over direct T=8192 0.952-0.988 per replay, 0.961-0.989 in a graph; decode within +-1.5 %).
+constexpr int kFoldStageGroups = 32;  // one per lane
+// Slot of chunk c (16 bytes) of group g in a warp's stage: g's chunks (8; 4 for E2M1 inputs) rotated by g, so that eight
+// lanes reading chunk c of their own groups, and eight lanes writing one group's chunks, hit distinct bank quads.
+__device__ __forceinline__ int fold_stage_slot(int g, int c, int chunks_per_group) {
+  return g * chunks_per_group + ((c ^ g) & (chunks_per_group - 1));
+}
+// The warp's stores of the stage's chunk i (of 8 per group) to `to` + 8 base + i, n groups.
+__device__ __forceinline__ void warp_store_folded(uint4* to, int base, int n, const uint4* stage, int lane) {
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const int i = 32 * u + lane;
+    if (i < 8 * n) to[8 * base + i] = stage[fold_stage_slot(i / 8, i % 8, 8)];
+  }
+  __syncwarp();  // the stage is read before the next pass writes it
+}
+// Groups [base, base + n) (n <= kFoldStageGroups) of an FP8 row, 8 chunks each: from `from` (E4M3 in K order) to `to`
+// (fold_fp8_group's tile order; `to` may be `from`: every load precedes every store). Lane g < n passes its group's
+// scales4 and gets T.
+__device__ __forceinline__ uint32_t warp_fold_fp8_groups(const uint4* from, uint4* to, int base, int n,
+                                                         uint32_t scales4, uint4* stage, int lane) {
+  uint4 v[8];
+#pragma unroll
+  for (int u = 0; u < 8; ++u)
+    if (32 * u + lane < 8 * n) v[u] = __ldcg(from + 8 * base + 32 * u + lane);
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const int i = 32 * u + lane;
+    if (i < 8 * n) stage[fold_stage_slot(i / 8, i % 8, 8)] = v[u];
+  }
+  __syncwarp();
+  uint32_t tmax = 0;
+  if (lane < n) {
+    uint4 in[8], out[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) in[c] = stage[fold_stage_slot(lane, c, 8)];
+    tmax = fold_fp8_group(in, scales4, out);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) stage[fold_stage_slot(lane, c, 8)] = out[c];
+  }
+  __syncwarp();
+  warp_store_folded(to, base, n, stage, lane);
+  return tmax;
+}
+// The same for an MXFP4 row: 4 E2M1 chunks per group in (`from`), fold_mxfp4_group's 8 E4M3 chunks out (`to`, a
+// separate row).
+__device__ __forceinline__ uint32_t warp_fold_mxfp4_groups(const uint4* from, uint4* to, int base, int n,
+                                                           uint32_t scales4, const uint2* tables, uint4* stage,
+                                                           int lane) {
+  uint4 v[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+    if (32 * u + lane < 4 * n) v[u] = __ldcg(from + 4 * base + 32 * u + lane);
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int i = 32 * u + lane;
+    if (i < 4 * n) stage[fold_stage_slot(i / 4, i % 4, 4)] = v[u];
+  }
+  __syncwarp();
+  uint4 in[4], out[8];
+  if (lane < n) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) in[q] = stage[fold_stage_slot(lane, q, 4)];
+  }
+  __syncwarp();  // every input is read before the outputs (twice as many slots) overwrite the stage
+  uint32_t tmax = 0;
+  if (lane < n) {
+    tmax = fold_mxfp4_group(in, scales4, tables, out);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) stage[fold_stage_slot(lane, c, 8)] = out[c];
+  }
+  __syncwarp();
+  warp_store_folded(to, base, n, stage, lane);
+  return tmax;
+}
+
 // NOTES: NaN-propagating max / min (PTX max.NaN / min.NaN) for every amax and clamp on a quantization
 // path. fmaxf / fminf return the other operand for a NaN (IEEE maxNum): a NaN activation then vanished into
 // a finite scale or a clamp bound and the output came out finite, while the reference (torch amax / clamp)

@@ -145,53 +145,59 @@ __device__ __forceinline__ uint32_t group_scales4(const uint8_t* sf, int g, int6
 }
 
 // L2's FP8 input folded after a block_m 128 L1 (heuristics::fp4_tile_n: a 128-row tile writes 64 outputs, half of
-// L2's 128-K group, so its epilogue cannot fold): a thread per (row, 128-K group), rows fastest (the scale bytes are
-// K-block-major), folds the group in place with the gather's fold_fp8_group (the same bits as the L1 epilogue's
-// folded copy-out) and stores its factor 2^(T - 127) in factors [inter / 128, pool_rows].
-__global__ void __launch_bounds__(256) pool_fold_kernel(uint8_t* buffer, layout::BufferLayout l, float* factors) {
+// L2's 128-K group, so its epilogue cannot fold): a warp per row at a time folds its groups in place through its
+// shared-memory stage (warp_fold_fp8_groups: the gather's fold_fp8_group, the same bits as the L1 epilogue's folded
+// copy-out) and stores their factors 2^(T - 127) in factors [inter / 128, pool_rows].
+// NOTES: a thread per (row, group), rows fastest, read and wrote 128 bytes per thread at the row stride (a warp
+// instruction over 32 rows' lines): ~190 µs at V4-Flash T=8192 (49k rows of 2 KB; H100 graph timeline, 2026-11-27).
+constexpr int kFoldPassThreads = 256;
+__global__ void __launch_bounds__(kFoldPassThreads, 2) pool_fold_kernel(uint8_t* buffer, layout::BufferLayout l,
+                                                                        float* factors) {
+  __shared__ uint4 stage_all[kFoldPassThreads / 32][8 * kFoldStageGroups];
+  uint4* stage = stage_all[threadIdx.x / 32];
   ptx::grid_dependency_wait();  // L1's outputs
   ptx::launch_dependents();
   const int rows = __ldcg(reinterpret_cast<const int*>(buffer + l.expert_offset_offset) + l.num_local_experts);
-  const int groups = static_cast<int>(l.intermediate / 128);
+  const int groups = static_cast<int>(l.intermediate / 128), lane = threadIdx.x % 32;
   const uint8_t* pool_sf = buffer + l.pool_sf_offset;
-  const int64_t total = int64_t(rows) * groups;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int g = static_cast<int>(i / rows), row = static_cast<int>(i % rows);
-    uint4* data = reinterpret_cast<uint4*>(buffer + l.pool_offset + int64_t(row) * l.pool_row_bytes + g * 128);
-    uint4 in[8], out[8];
-#pragma unroll
-    for (int c = 0; c < 8; ++c) in[c] = __ldcg(data + c);
-    const uint32_t tmax = fold_fp8_group(in, group_scales4(pool_sf, g, l.pool_rows, row), out);
-#pragma unroll
-    for (int c = 0; c < 8; ++c) data[c] = out[c];
-    factors[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
+  const int warps = gridDim.x * kFoldPassThreads / 32;
+  for (int row = (blockIdx.x * kFoldPassThreads + threadIdx.x) / 32; row < rows; row += warps) {
+    uint4* data = reinterpret_cast<uint4*>(buffer + l.pool_offset + int64_t(row) * l.pool_row_bytes);
+    for (int base = 0; base < groups; base += kFoldStageGroups) {
+      const int n = min(kFoldStageGroups, groups - base);
+      const uint32_t scales4 = lane < n ? group_scales4(pool_sf, base + lane, l.pool_rows, row) : 0u;
+      const uint32_t tmax = warp_fold_fp8_groups(data, data, base, n, scales4, stage, lane);
+      if (lane < n) factors[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
+    }
   }
 }
 
-// One thread per (routed row, 128-K group), as pool_fold_kernel: the group's 4 quarters (16 bytes of E2M1 each) folded
-// by fold_mxfp4_group into 8 chunks of 16 bytes, the layout fold_token_unit writes into the kernel's tile (before its
-// swizzle, which the TMA applies).
-__global__ void __launch_bounds__(256) fold_mxfp4_kernel(const uint8_t* src, const uint8_t* src_sf, int64_t k, uint8_t* dst,
-                                                         float* factors, const uint8_t* buffer, layout::BufferLayout l) {
+// A warp per row, as pool_fold_kernel: the row's groups (4 quarters of 16 bytes of E2M1 each) folded by
+// fold_mxfp4_group (warp_fold_mxfp4_groups) into 8 chunks of 16 bytes, the layout fold_token_unit writes into the
+// kernel's tile (before its swizzle, which the TMA applies).
+__global__ void __launch_bounds__(kFoldPassThreads, 2) fold_mxfp4_kernel(const uint8_t* src, const uint8_t* src_sf,
+                                                                         int64_t k, uint8_t* dst, float* factors,
+                                                                         const uint8_t* buffer,
+                                                                         layout::BufferLayout l) {
   __shared__ uint2 tables[kNumFoldTables];
+  __shared__ uint4 stage_all[kFoldPassThreads / 32][8 * kFoldStageGroups];
+  uint4* stage = stage_all[threadIdx.x / 32];
   if (threadIdx.x < kNumFoldTables) tables[threadIdx.x] = make_fold_table(threadIdx.x - kFoldHeadroom);
   __syncthreads();
   ptx::grid_dependency_wait();  // the gather's rows (L1) or L1's outputs (L2)
   ptx::launch_dependents();
   const int rows = __ldcg(reinterpret_cast<const int*>(buffer + l.expert_offset_offset) + l.num_local_experts);
-  const int groups = static_cast<int>(k / 128);
-  const int64_t total = int64_t(rows) * groups;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int g = static_cast<int>(i / rows), row = static_cast<int>(i % rows);
-    const uint4* data = reinterpret_cast<const uint4*>(src + int64_t(row) * (k / 2) + g * 64);
-    uint4 in[4], out[8];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) in[q] = __ldcg(data + q);
-    const uint32_t tmax = fold_mxfp4_group(in, group_scales4(src_sf, g, l.pool_rows, row), tables, out);
-    uint4* folded = reinterpret_cast<uint4*>(dst + int64_t(row) * k + g * 128);
-#pragma unroll
-    for (int c = 0; c < 8; ++c) folded[c] = out[c];
-    factors[int64_t(g) * l.pool_rows + row] = ue8m0_float(tmax);
+  const int groups = static_cast<int>(k / 128), lane = threadIdx.x % 32;
+  const int warps = gridDim.x * kFoldPassThreads / 32;
+  for (int row = (blockIdx.x * kFoldPassThreads + threadIdx.x) / 32; row < rows; row += warps) {
+    const uint4* packed = reinterpret_cast<const uint4*>(src + int64_t(row) * (k / 2));
+    uint4* folded = reinterpret_cast<uint4*>(dst + int64_t(row) * k);
+    for (int base = 0; base < groups; base += kFoldStageGroups) {
+      const int n = min(kFoldStageGroups, groups - base);
+      const uint32_t scales4 = lane < n ? group_scales4(src_sf, base + lane, l.pool_rows, row) : 0u;
+      const uint32_t tmax = warp_fold_mxfp4_groups(packed, folded, base, n, scales4, tables, stage, lane);
+      if (lane < n) factors[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
+    }
   }
 }
 
@@ -199,14 +205,15 @@ __global__ void __launch_bounds__(256) fold_mxfp4_kernel(const uint8_t* src, con
 
 void launch_fold_mxfp4(const uint8_t* src, const uint8_t* src_sf, int64_t k, uint8_t* dst, float* factors,
                        const uint8_t* buffer, const layout::BufferLayout& layout, int num_sms, cudaStream_t stream) {
-  launch_pdl(fold_mxfp4_kernel, dim3(num_sms * 4), dim3(256), 0, stream, src, src_sf, k, dst, factors, buffer, layout);
+  launch_pdl(fold_mxfp4_kernel, dim3(num_sms * 2), dim3(kFoldPassThreads), 0, stream, src, src_sf, k, dst, factors,
+             buffer, layout);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_pool_fold(uint8_t* buffer, const layout::BufferLayout& layout, float* factors, int num_sms,
                       cudaStream_t stream) {
   // FP8 pool rows (pool_row_bytes == intermediate, a multiple of 128: the buffer checks it at creation).
-  launch_pdl(pool_fold_kernel, dim3(num_sms * 4), dim3(256), 0, stream, buffer, layout, factors);
+  launch_pdl(pool_fold_kernel, dim3(num_sms * 2), dim3(kFoldPassThreads), 0, stream, buffer, layout, factors);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

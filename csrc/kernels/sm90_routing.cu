@@ -281,29 +281,19 @@ constexpr int kSfPerLane = 4;  // scale elements a lane loads with its row (FP8:
 // bytes; MXFP4 tokens (kFoldMXFP4: fold_e2m1_quarter, the converters' fold) into E4M3 rows of `hidden` bytes at
 // fold_dst and factors at fold_factors (the packed rows and their scales are not copied).
 // The folding builds hold a group's words in and out per lane: 2 blocks per SM (128 registers), not 4.
-// The folding builds move a row through a per-warp shared-memory stage of 32 groups (4 KB), so that its loads and
-// stores are coalesced (a warp instruction covers 512 contiguous bytes) while each lane folds one 128-K group.
-// NOTES: each lane loaded and stored its own group before (lane stride 128 bytes: 32 lines per warp instruction).
-// H100 A/B (2026-11-27, 2 rounds, MXFP4 w4a8 / w4a4, both models, staged over direct, per replay / in a graph;
-// docs/bench/h100-2026-11-27c-ab-gather-staged-folds.json): T=8192 0.952-0.988 / 0.961-0.989, 2048 0.981-1.002 /
-// 0.964-0.991, T = 1-512 0.984-1.001 / 0.987-1.021. At EP=4 decode a peer's row took 6-10 µs in the folding gather
-// either way, against ~3 µs as a plain copy (ep_trace.py, 4 x H100, 2026-11-27): not the load pattern (the fold's
-// arithmetic or its build's occupancy; not separated).
+// The folding builds move a row through a per-warp shared-memory stage (warp_fold_fp8_groups / warp_fold_mxfp4_groups,
+// sm90_common.cuh: coalesced loads and stores). NOTES: at EP=4 decode a peer's row took 6-10 µs in the folding gather
+// with or without the stage, against ~3 µs as a plain copy (ep_trace.py, 4 x H100, 2026-11-27): not the load pattern
+// (the fold's arithmetic or its build's occupancy; not separated).
 constexpr int kGatherThreads = 256;
 enum GatherFold : int { kGatherCopy = 0, kFoldFP8 = 1, kFoldMXFP4 = 2 };
-constexpr int kStageGroups = 32;  // 128-K groups per pass of the folding builds (one per lane)
-// Slot of chunk c (16 bytes) of group g in a warp's stage: chunk c of g's 8 (4: E2M1 input) rotated by g, so that eight
-// lanes reading chunk c of their own groups, and eight lanes writing one group's chunks, hit distinct bank quads.
-__device__ __forceinline__ int stage_slot(int g, int c, int chunks_per_group) {
-  return g * chunks_per_group + ((c ^ g) & (chunks_per_group - 1));
-}
 template <int kFold>
 __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
     gather_kernel(uint8_t* buffer, layout::BufferLayout l, int sf_elems, int sf_elem_bytes, bool has_global_sf,
                   int* zero_words, int num_zero_words, uint8_t* fold_dst, float* fold_factors) {
   constexpr bool fold = kFold != kGatherCopy;
   __shared__ uint2 tables[kFold == kFoldMXFP4 ? kNumFoldTables : 1];
-  __shared__ uint4 stage_all[fold ? kGatherThreads / 32 : 1][fold ? 8 * kStageGroups : 1];
+  __shared__ uint4 stage_all[fold ? kGatherThreads / 32 : 1][fold ? 8 * kFoldStageGroups : 1];
   uint4* stage = stage_all[fold ? threadIdx.x / 32 : 0];
   if constexpr (kFold == kFoldMXFP4) {
     if (threadIdx.x < kNumFoldTables) tables[threadIdx.x] = make_fold_table(threadIdx.x - kFoldHeadroom);
@@ -360,77 +350,21 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
       if (has_global_sf) global_sf = __ldcg(reinterpret_cast<const float*>(peer + l.x_global_sf_offset) + token);
     }
     if constexpr (kFold == kFoldFP8) {
-      // Passes of up to 32 groups: the warp loads their 8 chunks each (coalesced) into its stage, lane g folds group
-      // g (its 8 chunks and 4 scale bytes in, the folded chunks back to the stage, one factor out), the warp stores
-      // the stage (coalesced).
-      const int groups = chunks / 8;
-      for (int base = 0; base < groups; base += kStageGroups) {
-        const int n = min(kStageGroups, groups - base);
-        uint4 v[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u)
-          if (32 * u + lane < 8 * n) v[u] = __ldcg(from + 8 * base + 32 * u + lane);
+      // Passes of up to 32 groups, lane g folding group g (its scale bytes: one word of the token's row of them).
+      for (int base = 0; base < chunks / 8; base += kFoldStageGroups) {
+        const int n = min(kFoldStageGroups, chunks / 8 - base);
         const uint32_t scales4 = lane < n ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + base + lane) : 0u;
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int i = 32 * u + lane;
-          if (i < 8 * n) stage[stage_slot(i / 8, i % 8, 8)] = v[u];
-        }
-        __syncwarp();
-        if (lane < n) {
-          uint4 in[8], out[8];
-#pragma unroll
-          for (int c = 0; c < 8; ++c) in[c] = stage[stage_slot(lane, c, 8)];
-          const uint32_t tmax = fold_fp8_group(in, scales4, out);
-#pragma unroll
-          for (int c = 0; c < 8; ++c) stage[stage_slot(lane, c, 8)] = out[c];
-          reinterpret_cast<float*>(dsf)[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
-        }
-        __syncwarp();
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int i = 32 * u + lane;
-          if (i < 8 * n) to[8 * base + i] = stage[stage_slot(i / 8, i % 8, 8)];
-        }
-        __syncwarp();  // the stage is read before the next pass writes it
+        const uint32_t tmax = warp_fold_fp8_groups(from, to, base, n, scales4, stage, lane);
+        if (lane < n) reinterpret_cast<float*>(dsf)[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
       }
     } else if constexpr (kFold == kFoldMXFP4) {
-      // As above: a group's 4 chunks (one per 32-K quarter) in, fold_mxfp4_group's 8 folded chunks out (into the
-      // E4M3 rows of `hidden` bytes at fold_dst; the packed rows and their scales are not copied).
+      // As above, into the E4M3 rows of `hidden` bytes at fold_dst (the packed rows and their scales are not copied).
       uint4* folded = reinterpret_cast<uint4*>(fold_dst + int64_t(row) * l.hidden);
-      const int groups = chunks / 4;
-      for (int base = 0; base < groups; base += kStageGroups) {
-        const int n = min(kStageGroups, groups - base);
-        uint4 v[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (32 * u + lane < 4 * n) v[u] = __ldcg(from + 4 * base + 32 * u + lane);
+      for (int base = 0; base < chunks / 4; base += kFoldStageGroups) {
+        const int n = min(kFoldStageGroups, chunks / 4 - base);
         const uint32_t scales4 = lane < n ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + base + lane) : 0u;
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int i = 32 * u + lane;
-          if (i < 4 * n) stage[stage_slot(i / 4, i % 4, 4)] = v[u];
-        }
-        __syncwarp();
-        uint4 in[4], out[8];
-        if (lane < n) {
-#pragma unroll
-          for (int q = 0; q < 4; ++q) in[q] = stage[stage_slot(lane, q, 4)];
-        }
-        __syncwarp();  // every input is read before the outputs (twice as many slots) overwrite the stage
-        if (lane < n) {
-          const uint32_t tmax = fold_mxfp4_group(in, scales4, tables, out);
-#pragma unroll
-          for (int c = 0; c < 8; ++c) stage[stage_slot(lane, c, 8)] = out[c];
-          fold_factors[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
-        }
-        __syncwarp();
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int i = 32 * u + lane;
-          if (i < 8 * n) folded[8 * base + i] = stage[stage_slot(i / 8, i % 8, 8)];
-        }
-        __syncwarp();
+        const uint32_t tmax = warp_fold_mxfp4_groups(from, folded, base, n, scales4, tables, stage, lane);
+        if (lane < n) fold_factors[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
       }
     } else {
       constexpr int kMaxChunksPerLane = 8;  // hidden <= 8 * 32 * 16 bytes = 4096 FP8 per pass
