@@ -360,7 +360,9 @@ def block128_case(hidden, inter, act_format, spread, seed, routing_seed, max_tok
     return case
 
 
-@pytest.mark.parametrize("hidden,inter,spread", [(384, 256, 0), (640, 896, 3), (1024, 1024, 12), (256, 2048, 0)])
+# inter 4608: 36 groups, two passes of the pool fold's per-warp stage.
+@pytest.mark.parametrize("hidden,inter,spread", [(384, 256, 0), (640, 896, 3), (1024, 1024, 12), (256, 2048, 0),
+                                                  (384, 4608, 2)])
 def test_mxfp4_block128_equals_block64(hidden, inter, spread, monkeypatch):
     """Block_m 128 (MXFP4 w4a8 on the FP8-wgmma path, folded tokens: 128 x 128 tiles, one 64-row slice per consumer,
     L1's SwiGLU pair exchanged, L2's input folded by a pass after L1) runs each output's products in the K order and
@@ -386,7 +388,7 @@ def test_mxfp4_block128_equals_block64(hidden, inter, spread, monkeypatch):
 
 
 @pytest.mark.parametrize("hidden,inter,spread", [(384, 256, 0), (640, 896, 3), (1024, 1024, 12), (256, 2048, 0),
-                                                  (4608, 256, 5)])
+                                                  (4608, 256, 5), (256, 4608, 2)])
 def test_mxfp4_w4a4_upstream_fold_equals_converters(hidden, inter, spread, monkeypatch):
     """MXFP4 w4a4 on the FP8-wgmma path (heuristics::fp4_fold_mxfp4_tokens): the gather folds the dispatched MXFP4
     tokens into E4M3 rows of a workspace, L1 quantizes its outputs to MXFP4 and folds them for L2 in its epilogue
