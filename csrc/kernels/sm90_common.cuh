@@ -363,6 +363,20 @@ constexpr int kFoldStageGroups = 32;  // one per lane
 __device__ __forceinline__ int fold_stage_slot(int g, int c, int chunks_per_group) {
   return g * chunks_per_group + ((c ^ g) & (chunks_per_group - 1));
 }
+// The warp's coalesced loads of n groups' chunks (kChunks per group) from `from` + kChunks base into the stage.
+template <int kChunks>
+__device__ __forceinline__ void warp_load_stage(const uint4* from, int base, int n, uint4* stage, int lane) {
+  uint4 v[kChunks];
+#pragma unroll
+  for (int u = 0; u < kChunks; ++u)
+    if (32 * u + lane < kChunks * n) v[u] = __ldcg(from + kChunks * base + 32 * u + lane);
+#pragma unroll
+  for (int u = 0; u < kChunks; ++u) {
+    const int i = 32 * u + lane;
+    if (i < kChunks * n) stage[fold_stage_slot(i / kChunks, i % kChunks, kChunks)] = v[u];
+  }
+  __syncwarp();
+}
 // The warp's stores of the stage's chunk i (of 8 per group) to `to` + 8 base + i, n groups.
 __device__ __forceinline__ void warp_store_folded(uint4* to, int base, int n, const uint4* stage, int lane) {
 #pragma unroll
@@ -377,16 +391,7 @@ __device__ __forceinline__ void warp_store_folded(uint4* to, int base, int n, co
 // scales4 and gets T.
 __device__ __forceinline__ uint32_t warp_fold_fp8_groups(const uint4* from, uint4* to, int base, int n,
                                                          uint32_t scales4, uint4* stage, int lane) {
-  uint4 v[8];
-#pragma unroll
-  for (int u = 0; u < 8; ++u)
-    if (32 * u + lane < 8 * n) v[u] = __ldcg(from + 8 * base + 32 * u + lane);
-#pragma unroll
-  for (int u = 0; u < 8; ++u) {
-    const int i = 32 * u + lane;
-    if (i < 8 * n) stage[fold_stage_slot(i / 8, i % 8, 8)] = v[u];
-  }
-  __syncwarp();
+  warp_load_stage<8>(from, base, n, stage, lane);
   uint32_t tmax = 0;
   if (lane < n) {
     uint4 in[8], out[8];
@@ -405,16 +410,7 @@ __device__ __forceinline__ uint32_t warp_fold_fp8_groups(const uint4* from, uint
 __device__ __forceinline__ uint32_t warp_fold_mxfp4_groups(const uint4* from, uint4* to, int base, int n,
                                                            uint32_t scales4, const uint2* tables, uint4* stage,
                                                            int lane) {
-  uint4 v[4];
-#pragma unroll
-  for (int u = 0; u < 4; ++u)
-    if (32 * u + lane < 4 * n) v[u] = __ldcg(from + 4 * base + 32 * u + lane);
-#pragma unroll
-  for (int u = 0; u < 4; ++u) {
-    const int i = 32 * u + lane;
-    if (i < 4 * n) stage[fold_stage_slot(i / 4, i % 4, 4)] = v[u];
-  }
-  __syncwarp();
+  warp_load_stage<4>(from, base, n, stage, lane);
   uint4 in[4], out[8];
   if (lane < n) {
 #pragma unroll
