@@ -123,6 +123,7 @@ if has eptrace; then
     (cd "$tree" && PYTHONPATH="$tree:$tree/benchmarks" timeout 300 python3 -m torch.distributed.run --nproc-per-node $ngpu \
       benchmarks/ep_trace.py --model "${EPTRACE_MODEL:-V4-Flash}" --format "$fmt" --act-format "$act" --tokens "$t" \
       --dir "$stamps") 2>&1 | grep -v "^W\|^\*" | tee -a "$out/eptrace.log"
+    rm -rf "$stamps"
   done
 fi
 if has probe; then

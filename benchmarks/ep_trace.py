@@ -10,8 +10,8 @@ prints, per rank, the median over the last replay's calls of each phase's length
 - pre_dispatch: dependency wait -> end;
 - routing: dependency wait -> barrier 0 passed (every rank's pre_dispatch done; skew included) -> the ranks' token
   counts read -> every rank's ids read and counted -> scanned -> scattered;
-- gather (block 0, which holds every row at decode): dependency wait -> row count read -> its first row stored ->
-  end;
+- gather (block 0: its 8 warps take rows 0-7, every row where the rank receives at most 8): dependency wait -> row
+  count read -> its first row stored -> its other rows (calls where block 0 has no row are left out);
 - combine (block 0): dependency wait -> barrier 1 passed -> end.
 NOTES: a kernel that printed completes late (tile_trace.py: ~30 µs on H100), so only the durations inside one kernel
 hold, never the gaps between kernels, and a barrier's wait includes the peers' printing.
@@ -58,15 +58,13 @@ def parse(path: str):
 def summarize(records, rank: int) -> None:
     print(f"rank {rank}: median µs per phase over {sum(1 for k, _ in records if k == 'routing')} calls")
     for kernel, names in PHASES.items():
-        stamps = [s for k, s in records if k == kernel]
+        # Records with every stamp only (a gather block without rows has no first-row stamp).
+        stamps = [s for k, s in records if k == kernel and len(s) == len(names) + 1]
         if not stamps:
             continue
-        cols = []
-        for j, name in enumerate(names):
-            d = [(s[j + 1] - s[j]) / 1e3 for s in stamps if len(s) > j + 1]
-            if d:
-                cols.append(f"{name} {statistics.median(d):6.2f}")
-        print(f"  {kernel:12s} " + " | ".join(cols))
+        cols = [f"{name} {statistics.median((s[j + 1] - s[j]) / 1e3 for s in stamps):6.2f}"
+                for j, name in enumerate(names)]
+        print(f"  {kernel:12s} " + " | ".join(cols) + (f" ({len(stamps)} calls)" if kernel == "gather" else ""))
 
 
 def main() -> None:

@@ -147,7 +147,7 @@ def fold_rows(x8: torch.Tensor, sf: torch.Tensor):
     return tiles, factors
 
 
-# 4608: 36 groups, two passes of the gather's per-warp stage (32 groups each).
+# 4608: 36 groups, two passes of the gather's per-warp stage (32 + 4 groups).
 @pytest.mark.parametrize("hidden,inter,spread", [(640, 384, 12), (1024, 256, 4), (4608, 256, 5)])
 def test_mxfp4_w4a8_gather_fold_bits(hidden, inter, spread, monkeypatch):
     """L1's FP8 tokens on the FP8-wgmma path, folded by the gather per 128-K group: the dispatch rows and factors it

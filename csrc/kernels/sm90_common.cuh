@@ -86,7 +86,14 @@ int max_active_clusters(dim3 block, size_t smem) {
 // lays them out before the GEMM's tiles): printed at the block's exit as "MMTRACE K <kernel> <block> <ns>...", so
 // the launch chain (pre_dispatch -> routing -> gather -> GEMM -> combine) can be read in one timeline. In other
 // builds every call is empty and compiles away.
-// MEGAMOE_PHASE_TRACE: these stamps only (no GEMM tile records), e.g. benchmarks/ep_trace.py.
+// MEGAMOE_PHASE_TRACE: these stamps only (no GEMM tile records), e.g. benchmarks/ep_trace.py, which reads block 0's;
+// kernels of many blocks then print block 0 only (kPhaseTraceAllBlocks: every block under MEGAMOE_TILE_TRACE, whose
+// chain table takes each kernel's last end).
+#ifdef MEGAMOE_TILE_TRACE
+constexpr bool kPhaseTraceAllBlocks = true;
+#else
+constexpr bool kPhaseTraceAllBlocks = false;
+#endif
 struct PhaseStamps {
 #if defined(MEGAMOE_TILE_TRACE) || defined(MEGAMOE_PHASE_TRACE)
   static constexpr int kMax = 8;
@@ -358,10 +365,11 @@ __device__ __forceinline__ uint32_t fold_mxfp4_group(const uint4 (&in)[4], uint3
 // gather's folds ran 1-5 % slower at T >= 2048 (H100 A/B, 2026-11-27, docs/bench/h100-2026-11-27c-ab-gather-staged-
 // folds.json: staged over direct T=8192 0.952-0.988 per replay, 0.961-0.989 in a graph; decode within +-1.5 %).
 constexpr int kFoldStageGroups = 32;  // one per lane
-// Slot of chunk c (16 bytes) of group g in a warp's stage: g's chunks (8; 4 for E2M1 inputs) rotated by g, so that eight
-// lanes reading chunk c of their own groups, and eight lanes writing one group's chunks, hit distinct bank quads.
+// Slot of chunk c (16 bytes) of group g in a warp's stage: g's chunks (8; 4 for E2M1 inputs) rotated by the group's
+// 128-byte line of the stage (g, or g / 2 at 4 chunks), so that the eight lanes of a quarter warp reading chunk c of
+// their own groups, and those writing consecutive chunks, hit distinct bank quads.
 __device__ __forceinline__ int fold_stage_slot(int g, int c, int chunks_per_group) {
-  return g * chunks_per_group + ((c ^ g) & (chunks_per_group - 1));
+  return g * chunks_per_group + ((c ^ (g * chunks_per_group / 8)) & (chunks_per_group - 1));
 }
 // The warp's coalesced loads of n groups' chunks (kChunks per group) from `from` + kChunks base into the stage.
 template <int kChunks>
@@ -387,8 +395,8 @@ __device__ __forceinline__ void warp_store_folded(uint4* to, int base, int n, co
   __syncwarp();  // the stage is read before the next pass writes it
 }
 // Groups [base, base + n) (n <= kFoldStageGroups) of an FP8 row, 8 chunks each: from `from` (E4M3 in K order) to `to`
-// (fold_fp8_group's tile order; `to` may be `from`: every load precedes every store). Lane g < n passes its group's
-// scales4 and gets T.
+// (fold_fp8_group's tile order). `to` may be `from`: each lane stores exactly the chunks it loaded, after the warp's
+// loads of this pass, and passes cover disjoint groups. Lane g < n passes its group's scales4 and gets T.
 __device__ __forceinline__ uint32_t warp_fold_fp8_groups(const uint4* from, uint4* to, int base, int n,
                                                          uint32_t scales4, uint4* stage, int lane) {
   warp_load_stage<8>(from, base, n, stage, lane);

@@ -152,7 +152,8 @@ __device__ __forceinline__ uint32_t group_scales4(const uint8_t* sf, int g, int6
 // instruction over 32 rows' lines). H100 graph timelines (2026-11-27, V4-Flash MXFP4 w4a8 T=8192: 49k rows of 2 KB):
 // the pass ran ~139 µs after L1's end, ~107 with the stage. A/B of the stage (2 rounds, MXFP4 w4a8 / w4a4, both models,
 // T = 2048-8192, over the direct build; docs/bench/h100-2026-11-27c-ab-pool-fold-staged.json): per replay 0.969-1.022,
-// in a graph 0.983-1.015 (V4-Flash w4a4 8192 0.969 / 0.983).
+// in a graph 0.983-1.015 (V4-Flash w4a4 8192 0.969 / 0.983). The scale bytes and factors (K-block-major: a row's
+// are pool_rows apart) are now the strided accesses: a few MB, which L2 absorbs.
 constexpr int kFoldPassThreads = 256;
 __global__ void __launch_bounds__(kFoldPassThreads, 2) pool_fold_kernel(uint8_t* buffer, layout::BufferLayout l,
                                                                         float* factors) {

@@ -299,8 +299,8 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
     if (threadIdx.x < kNumFoldTables) tables[threadIdx.x] = make_fold_table(threadIdx.x - kFoldHeadroom);
     __syncthreads();
   }
-  // entry, after the dependency wait, the row count read, the block's first row stored (if any), end (diagnostic
-  // builds only; block 0 prints: at decode it holds every row)
+  // entry, after the dependency wait, the row count read, the block's first row stored (if it has one), end
+  // (diagnostic builds only)
   PhaseStamps trace;
   trace.stamp();
   {  // hints for this block's first lines (see routing_kernel), while the routing kernel runs
@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
     if (row == first) trace.stamp();
   }
   trace.stamp();
-  if (threadIdx.x == 0 && blockIdx.x == 0) trace.print("gather");
+  if (threadIdx.x == 0 && (kPhaseTraceAllBlocks || blockIdx.x == 0)) trace.print("gather");
 }
 
 // Blocks (token stride, 1024-channel chunk); 8 channels a thread; slots summed in slot order in float32.
