@@ -163,8 +163,8 @@ def test_ab_patches_apply(patch, tmp_path):
     """The kernel variants kept as patches for a device A/B (benchmarks/patches) still apply to the current sources."""
     import subprocess
 
-    for tree in ("csrc", "tests"):  # a variant may carry its test changes
-        shutil.copytree(ROOT / tree, tmp_path / tree)
+    for tree in ("csrc", "tests", "megamoe"):  # a variant may carry its test and Python changes
+        shutil.copytree(ROOT / tree, tmp_path / tree, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
