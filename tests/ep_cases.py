@@ -202,6 +202,13 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_f
     run_switch_mixed(layer, buf, shape, "MEGAMOE_ROUTING_FLAT",
                      ("routing flat on even ranks, rank by rank on odd", "routing rank by rank on every rank"),
                      uneven, 155)
+    # Routing reads every rank's token count and slot ids where that rank's pre_dispatch pushed them, in its own buffer,
+    # or over NVLink from the rank's buffer (heuristics::ep_read_pushed; pre_dispatch pushes either way): the same
+    # counts, so the same bits, also where ranks differ.
+    run_switch_mixed(layer, buf, shape, "MEGAMOE_EP_PUSH",
+                     ("routing reads pushed ids on even ranks, over NVLink on odd",
+                      "routing reads over NVLink on every rank"),
+                     uneven, 154)
     gaps = [0 if r % 2 else (7 * r + 3) % cap + 1 for r in range(world)]
     run_case(layer, buf, "empty odd ranks", gaps, 157)
     log(f"[{shape}] empty odd ranks (tokens per rank {gaps}): bitwise equal to EP=1")
@@ -212,6 +219,17 @@ def check_shape(shape: str, device: torch.device, *, stress_calls: int, weight_f
         edge = [min(cap, total - min(total, cap * r)) for r in range(world)]
         run_case(layer, buf, f"{total * layer.top_k} routed slots", edge, 158 + i)
         log(f"[{shape}] {total * layer.top_k} routed slots (tokens per rank {edge}): bitwise equal to EP=1")
+
+    # A capacity whose slots per rank are not a multiple of 4 ids, read rank by rank with 16-byte loads
+    # (MEGAMOE_ROUTING_FLAT=0): every rank's row of the pushed ids starts 16-byte aligned (layout recv_idx_stride).
+    odd_cap = cap + 1 if cap * layer.top_k % 4 == 0 else cap
+    odd = megamoe.get_symm_buffer(dist.group.WORLD, layer.num_experts, odd_cap, layer.top_k, layer.hidden,
+                                  layer.intermediate, act_format=act_format, device=device)
+    counts = [(13 * r + 7) % odd_cap + 1 for r in range(world)]
+    with env_set("MEGAMOE_ROUTING_FLAT", "0"):
+        run_case(layer, odd, "capacity of an odd slot count, rank by rank", counts, 160)
+    log(f"[{shape}] capacity {odd_cap}, rank by rank (tokens per rank {counts}): bitwise equal to EP=1")
+    del odd
 
     # MXFP4 w4a4: a rank folds its tokens upstream only while the fold's workspace (every rank's pool rows) stays under
     # heuristics::kFp4FoldMxfp4MaxBytes, so with many ranks a prefill-sized buffer converts them in the tiles instead

@@ -83,6 +83,12 @@ def with_config(buf, **changes):
     return dataclasses.replace(buf, **changes)
 
 
+def two_rank_buffer(buf):
+    """The same buffer described as rank 0 of two, with the bytes that layout takes (its receive areas)."""
+    two = with_config(buf, num_ranks=2, rank=0)
+    return with_config(two, buffer=torch.zeros(two.layout["total_bytes"], dtype=torch.uint8, device=buf.buffer.device))
+
+
 # (id, (weight_format, act_format), call(ctx), exception type, names the message must contain (first one
 # at the start)).
 CASES = [
@@ -197,7 +203,7 @@ CASES = [
      ValueError, ["recv_stats", "1 dimensions"]),
     ("fp8-num-ranks-2-cpu", ("fp8", "fp8"),
      lambda c: c.moe_op(l1=[t[:E // 2].contiguous() for t in c.l1], l2=[t[:E // 2].contiguous() for t in c.l2],
-                        buffer=with_config(c.buf, num_ranks=2, rank=0), recv_stats=c.stats[:E // 2]),
+                        buffer=two_rank_buffer(c.buf), recv_stats=c.stats[:E // 2]),
      NotImplementedError, ["num_ranks", "got 2"]),
     # ---------------------------------------------------------------- fp8_fp4_mega_moe
     ("fp4-given-fp8-weights", ("fp8", "fp8"),

@@ -9,7 +9,8 @@ from conftest import COMBOS, as_bytes, assert_bitwise_equal, make_case, random_l
 
 E, H, I, K = 8, 256, 384, 3
 LAYOUT_REGIONS = ("error", "num_tokens", "expert_count", "expert_offset", "tile_offset", "sched", "peer_ptrs",
-                  "signal", "x", "x_sf", "x_global_sf", "topk_idx", "topk_weights", "pool_src", "dispatch_x",
+                  "signal", "x", "x_sf", "x_global_sf", "topk_idx", "topk_weights", "recv_count", "recv_idx",
+                  "pool_src", "dispatch_x",
                   "dispatch_sf", "dispatch_global_sf", "dispatch_weight", "pool", "pool_sf", "pool_global_sf", "combine")
 
 
@@ -324,6 +325,9 @@ def region_sizes(lay, top_k, hidden):
         "x": cap * lay["token_bytes"],
         "x_sf": cap * lay["token_sf_bytes"],
         "x_global_sf": 4 * cap, "topk_idx": 4 * cap * top_k, "topk_weights": 4 * cap * top_k,
+        # with peers only: every rank's count and slot ids, pushed by its pre_dispatch
+        "recv_count": 4 * lay["num_ranks"] if lay["num_ranks"] > 1 else 0,
+        "recv_idx": 4 * lay["num_ranks"] * -(-cap * top_k // 32) * 32 if lay["num_ranks"] > 1 else 0,  # rows of 128 B
         "pool_src": 4 * rows, "dispatch_x": rows * lay["token_bytes"], "dispatch_sf": rows * lay["token_sf_bytes"],
         "dispatch_global_sf": 4 * rows, "dispatch_weight": 4 * rows, "pool": rows * lay["pool_row_bytes"],
         "pool_sf": rows * lay["pool_row_sf_bytes"], "pool_global_sf": 4 * rows,

@@ -14,8 +14,8 @@ namespace megamoe::kernels {
 
 // pre_dispatch: quantize x and store it with the routing (int32 ids, out-of-range ones clamped) into the buffer.
 void launch_pre_dispatch(const void* x, const void* topk_idx, bool topk_idx_is_int64, const float* topk_weights,
-                         uint8_t* buffer, const layout::BufferLayout& layout, int num_tokens, ActRecipe recipe,
-                         cudaStream_t stream);
+                         uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens,
+                         ActRecipe recipe, cudaStream_t stream);
 
 // Routing: (EP: barrier 0, then) per-expert row lists (pool_src) over every rank's slots, offsets,
 // token-block offsets for `block_m` (an expert's last block may hold `tail_rows` more: the GEMM's tiles must then

@@ -201,6 +201,14 @@ __device__ __forceinline__ uint8_t* peer_buffer(uint8_t* buffer, const layout::B
   return reinterpret_cast<uint8_t* const*>(buffer + l.peer_ptrs_offset)[r];
 }
 
+// With peers: rank r's token count and slot ids as its pre_dispatch pushed them into `buffer` (layout recv_*).
+__device__ __forceinline__ int* recv_count(uint8_t* buffer, const layout::BufferLayout& l) {
+  return reinterpret_cast<int*>(buffer + l.recv_count_offset);
+}
+__device__ __forceinline__ int* recv_idx(uint8_t* buffer, const layout::BufferLayout& l, int r) {
+  return reinterpret_cast<int*>(buffer + l.recv_idx_offset) + int64_t(r) * l.recv_idx_stride();
+}
+
 __device__ __forceinline__ uint32_t* signal_words(uint8_t* buffer, const layout::BufferLayout& l) {
   return reinterpret_cast<uint32_t*>(buffer + l.signal_offset);
 }

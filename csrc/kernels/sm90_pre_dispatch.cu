@@ -21,13 +21,22 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
                                                                 const IdxT* __restrict__ topk_idx,
                                                                 const float* __restrict__ topk_weights,
                                                                 uint8_t* __restrict__ buffer,
-                                                                layout::BufferLayout l, int num_tokens) {
+                                                                layout::BufferLayout l, int rank, int num_tokens) {
   PhaseStamps trace;  // entry, after the dependency wait, end (diagnostic builds only)
   trace.stamp();
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
   trace.stamp();
   const int token = blockIdx.x;
+  // With peers (a table that holds this buffer: get_symm_buffer), this rank's count and slot ids are also stored into
+  // every rank's buffer (recv_count / recv_idx at this rank's index, its own included), which each rank's routing
+  // reads after barrier 0: the routing kernel signals barrier 0 after this grid has completed, and its release is
+  // cumulative over these stores (the combine's peer stores and barrier 1 work the same way). The peers finished
+  // reading the previous call's before this rank's combine passed barrier 1, so nothing here races their reads.
+  const int num_ranks = static_cast<int>(l.num_ranks);
+  const bool push = num_ranks > 1 && peer_buffer(buffer, l, rank) == buffer;
+  if (push && token == 0)
+    for (int q = threadIdx.x; q < num_ranks; q += blockDim.x) recv_count(peer_buffer(buffer, l, q), l)[rank] = num_tokens;
   if (token == 0 && threadIdx.x < layout::kNumErrorWords) {
     // The error word describes the bad input of this call only. NOTES: cleared here, not by a memset before
     // the launch: in a graph replay the first kernel started 6.6-9 µs after the memset node (V4-Flash T=1,
@@ -44,8 +53,10 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
   if (threadIdx.x < top_k) {
     const int64_t slot = int64_t(token) * top_k + threadIdx.x;
     const int64_t id = static_cast<int64_t>(topk_idx[slot]);
-    reinterpret_cast<int*>(buffer + l.topk_idx_offset)[slot] =
-        static_cast<int>(id < INT32_MIN ? INT32_MIN : id > INT32_MAX ? INT32_MAX : id);
+    const int stored = static_cast<int>(id < INT32_MIN ? INT32_MIN : id > INT32_MAX ? INT32_MAX : id);
+    reinterpret_cast<int*>(buffer + l.topk_idx_offset)[slot] = stored;
+    if (push)
+      for (int q = 0; q < num_ranks; ++q) recv_idx(peer_buffer(buffer, l, q), l, rank)[slot] = stored;
     reinterpret_cast<float*>(buffer + l.topk_weights_offset)[slot] = topk_weights[slot];
   }
 
@@ -118,7 +129,7 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
 
 template <ActRecipe kRecipe>
 void launch_recipe(const void* x, const void* topk_idx, bool is_int64, const float* topk_weights, uint8_t* buffer,
-                   const layout::BufferLayout& l, int num_tokens, cudaStream_t stream) {
+                   const layout::BufferLayout& l, int rank, int num_tokens, cudaStream_t stream) {
   // NOTES: one block per token and one 16-byte group per thread: a decode step is a few tokens, so
   // the whole row is loaded in one round trip instead of a loop of dependent ones.
   const dim3 grid(num_tokens > 0 ? num_tokens : 1);
@@ -127,33 +138,33 @@ void launch_recipe(const void* x, const void* topk_idx, bool is_int64, const flo
   auto* xb = static_cast<const __nv_bfloat16*>(x);
   if (is_int64)
     launch_pdl(pre_dispatch_kernel<kRecipe, int64_t>, grid, block, 0, stream, xb,
-               static_cast<const int64_t*>(topk_idx), topk_weights, buffer, l, num_tokens);
+               static_cast<const int64_t*>(topk_idx), topk_weights, buffer, l, rank, num_tokens);
   else
     launch_pdl(pre_dispatch_kernel<kRecipe, int32_t>, grid, block, 0, stream, xb,
-               static_cast<const int32_t*>(topk_idx), topk_weights, buffer, l, num_tokens);
+               static_cast<const int32_t*>(topk_idx), topk_weights, buffer, l, rank, num_tokens);
 }
 
 }  // namespace
 
 void launch_pre_dispatch(const void* x, const void* topk_idx, bool topk_idx_is_int64, const float* topk_weights,
-                         uint8_t* buffer, const layout::BufferLayout& layout, int num_tokens, ActRecipe recipe,
-                         cudaStream_t stream) {
+                         uint8_t* buffer, const layout::BufferLayout& layout, int rank, int num_tokens,
+                         ActRecipe recipe, cudaStream_t stream) {
   switch (recipe) {
     case ActRecipe::kFP8F32Block128:
       launch_recipe<ActRecipe::kFP8F32Block128>(x, topk_idx, topk_idx_is_int64, topk_weights, buffer, layout,
-                                                num_tokens, stream);
+                                                rank, num_tokens, stream);
       break;
     case ActRecipe::kFP8UE8M0Block32:
       launch_recipe<ActRecipe::kFP8UE8M0Block32>(x, topk_idx, topk_idx_is_int64, topk_weights, buffer, layout,
-                                                 num_tokens, stream);
+                                                 rank, num_tokens, stream);
       break;
     case ActRecipe::kMXFP4:
-      launch_recipe<ActRecipe::kMXFP4>(x, topk_idx, topk_idx_is_int64, topk_weights, buffer, layout, num_tokens,
-                                       stream);
+      launch_recipe<ActRecipe::kMXFP4>(x, topk_idx, topk_idx_is_int64, topk_weights, buffer, layout, rank,
+                                       num_tokens, stream);
       break;
     case ActRecipe::kNVFP4:
-      launch_recipe<ActRecipe::kNVFP4>(x, topk_idx, topk_idx_is_int64, topk_weights, buffer, layout, num_tokens,
-                                       stream);
+      launch_recipe<ActRecipe::kNVFP4>(x, topk_idx, topk_idx_is_int64, topk_weights, buffer, layout, rank,
+                                       num_tokens, stream);
       break;
   }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());

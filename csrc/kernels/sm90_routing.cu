@@ -28,8 +28,8 @@ __device__ __forceinline__ int local_expert(int id, const layout::BufferLayout& 
   return local >= 0 && local < l.num_local_experts ? local : -1;
 }
 
-// Calls f(i, id) for the first n slot ids of a (possibly remote) rank's topk_idx: 16-byte loads (the region is
-// 128-byte aligned in every rank's buffer), four in flight per thread, the n % 4 tail one id a thread.
+// Calls f(i, id) for the first n slot ids of a (possibly remote) rank's topk_idx, or of its row of recv_idx: 16-byte
+// loads (each is 128-byte aligned in every rank's buffer), four in flight per thread, the n % 4 tail one id a thread.
 // NOTES: over NVLink the loop is bound by load latency, not bandwidth, and the one routing block reads every
 // rank's slots twice: 16 ids in flight per thread instead of 4 (scalar loads) for EP prefill (EP=8 audit:
 // 393,216 slots per pass at 8 ranks x 8192 tokens).
@@ -82,7 +82,8 @@ struct RoutingSmem {
 // by exactly one tile with a fixed summation order, so results are deterministic.
 __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffer, layout::BufferLayout l, int rank,
                                                                   int num_tokens, int block_m, int tail_rows,
-                                                                  int* recv_stats, int cached_slots, bool flat_reads) {
+                                                                  int* recv_stats, int cached_slots, bool flat_reads,
+                                                                  bool read_pushed) {
   // entry, after the dependency wait, barrier 0 (with peers), the ranks' token counts, counted, scanned, end
   // (diagnostic builds only; the stamps are taken with one rank too)
   PhaseStamps trace;
@@ -96,7 +97,9 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   // launch): nothing is read here, so no stale value can be used.
   if (threadIdx.x < 6) {
     const int t = threadIdx.x;
-    ptx::prefetch_l2(t == 0   ? static_cast<const void*>(buffer + l.topk_idx_offset)
+    // (with peers, the pushed counts: routing's first reads after barrier 0)
+    ptx::prefetch_l2(t == 0   ? static_cast<const void*>(buffer + (l.num_ranks > 1 ? l.recv_count_offset
+                                                                                : l.topk_idx_offset))
                      : t == 1 ? expert_count
                      : t == 2 ? expert_offset
                      : t == 3 ? tile_offset
@@ -139,10 +142,18 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
     peers_ok = true;
   }
   trace.stamp();
+  // With peers, every rank's count and slot ids as its pre_dispatch pushed them into this buffer (local loads), or,
+  // with read_pushed off (heuristics::ep_read_pushed), from its own buffer over NVLink (a round trip each).
+  const bool pushed = read_pushed && num_ranks > 1 && peers_ok;
+  auto rank_ids = [&](int r) {
+    return pushed ? static_cast<const int*>(recv_idx(buffer, l, r))
+                  : reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.topk_idx_offset);
+  };
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
-    int n = r == rank ? num_tokens : peers_ok ? __ldcg(reinterpret_cast<const int*>(peer_buffer(buffer, l, r) +
-                                                                                     l.num_tokens_offset))
-                                              : 0;
+    int n = r == rank    ? num_tokens
+            : !peers_ok  ? 0
+            : pushed     ? __ldcg(recv_count(buffer, l) + r)
+                         : __ldcg(reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.num_tokens_offset));
     if (n < 0 || n > l.max_tokens_per_rank) {  // a peer's count is never trusted as an address bound
       record_error(buffer, l, layout::kErrorTokenCount, n, -1, r);
       n = n < 0 ? 0 : static_cast<int>(l.max_tokens_per_rank);
@@ -191,7 +202,7 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
       int r = 0, first = 0;  // g's rank and its first slot (ranks are few: a walk over shared memory)
       while (r < num_ranks - 1 && g >= first + rank_tokens[r] * top_k) first += rank_tokens[r] * top_k, ++r;
       slot_rank[u] = r, slot[u] = g - first;
-      id[u] = g < total ? __ldcg(reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.topk_idx_offset) + slot[u])
+      id[u] = g < total ? __ldcg(rank_ids(r) + slot[u])
                         : -1;
     }
 #pragma unroll
@@ -200,7 +211,7 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
         count_slot(slot_rank[u], rank_cache[slot_rank[u]], slot[u], id[u]);
   } else {
     for (int r = 0; r < num_ranks; ++r) {
-      const int* ids = reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.topk_idx_offset);
+      const int* ids = rank_ids(r);
       const int cached_at = rank_cache[r];
       for_each_slot(ids, rank_tokens[r] * top_k, [&](int i, int id) { count_slot(r, cached_at, i, id); });
     }
@@ -259,7 +270,7 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
         if (e >= 0) pool_src[atomicAdd(&cursor[e], 1)] = r * rank_slots + i;
       }
     } else {
-      const int* ids = reinterpret_cast<const int*>(peer_buffer(buffer, l, r) + l.topk_idx_offset);
+      const int* ids = rank_ids(r);
       for_each_slot(ids, n, [&](int i, int id) {
         const int e = local_expert(id, l, rank, buffer, i, false);
         if (e >= 0) pool_src[atomicAdd(&cursor[e], 1)] = r * rank_slots + i;
@@ -496,7 +507,8 @@ void launch_routing(uint8_t* buffer, const layout::BufferLayout& layout, int ran
   // The limit is set once per device (allow_dynamic_smem), so to what any layout may ask, not to this call's size.
   allow_dynamic_smem<routing_kernel>(kRoutingMaxSmem);
   launch_pdl(routing_kernel, dim3(1), dim3(kRoutingThreads), smem.bytes(), stream, buffer, layout, rank, num_tokens,
-             block_m, tail_rows, recv_stats, static_cast<int>(smem.cached_slots), heuristics::routing_flat_reads());
+             block_m, tail_rows, recv_stats, static_cast<int>(smem.cached_slots), heuristics::routing_flat_reads(),
+             heuristics::ep_read_pushed());
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -20,7 +20,8 @@ void pre_dispatch_cuda_op(const at::Tensor& x, const at::Tensor& topk_idx, const
   const c10::cuda::CUDAGuard guard(x.device());
   kernels::launch_pre_dispatch(x.data_ptr(), topk_idx.data_ptr(), topk_idx.scalar_type() == at::kLong,
                                topk_weights.data_ptr<float>(), buffer_ptr(buffer), a.buf.layout,
-                               static_cast<int>(x.size(0)), a.recipe, c10::cuda::getCurrentCUDAStream());
+                               static_cast<int>(a.buf.rank), static_cast<int>(x.size(0)), a.recipe,
+                               c10::cuda::getCurrentCUDAStream());
 }
 
 namespace {

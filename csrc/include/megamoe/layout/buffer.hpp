@@ -57,6 +57,10 @@ struct BufferLayout {
   int64_t x_global_sf_offset = 0;    // float32 [max_tokens_per_rank] (NVFP4 activations only)
   int64_t topk_idx_offset = 0;       // int32 [max_tokens_per_rank, top_k]; -1 = unused, outside [-1, E) = bad (skipped, reported)
   int64_t topk_weights_offset = 0;   // float32 [max_tokens_per_rank, top_k]
+  // With peers (empty for one rank): what every rank's pre_dispatch pushes into every buffer, so that routing reads
+  // it locally after barrier 0 instead of over NVLink (two round trips at decode).
+  int64_t recv_count_offset = 0;     // int32 [num_ranks]: each rank's token count
+  int64_t recv_idx_offset = 0;       // int32 [num_ranks, recv_idx_stride()]: each rank's slot ids (as topk_idx)
   int64_t pool_src_offset = 0;       // int32 [pool_rows]: (rank * max_tokens + token) * top_k + slot
   int64_t dispatch_x_offset = 0;     // uint8 [pool_rows, token_bytes]: L1 inputs grouped by expert
   int64_t dispatch_sf_offset = 0;    // scales of dispatch_x, K-block-major: [K / block, pool_rows]
@@ -67,6 +71,10 @@ struct BufferLayout {
   int64_t pool_global_sf_offset = 0; // float32 [pool_rows]
   int64_t combine_offset = 0;        // bf16 [max_tokens_per_rank, top_k, hidden]
   int64_t total_bytes = 0;
+
+  // Ints per rank in recv_idx: its slots rounded up to 128 bytes, so that every rank's ids start 16-byte aligned (the
+  // routing kernel reads them with 16-byte loads, as it reads topk_idx).
+  MEGAMOE_HOST_DEVICE int64_t recv_idx_stride() const { return align_up(max_tokens_per_rank * top_k, 32); }
 
   static BufferLayout make(int64_t num_experts, int64_t num_ranks, int64_t max_tokens_per_rank,
                            int64_t top_k, int64_t hidden, int64_t intermediate, bool act_fp4) {
@@ -110,6 +118,8 @@ struct BufferLayout {
     l.x_global_sf_offset = take(max_tokens_per_rank * 4);
     l.topk_idx_offset = take(max_tokens_per_rank * top_k * 4);
     l.topk_weights_offset = take(max_tokens_per_rank * top_k * 4);
+    l.recv_count_offset = take(num_ranks > 1 ? num_ranks * 4 : 0);
+    l.recv_idx_offset = take(num_ranks > 1 ? num_ranks * l.recv_idx_stride() * 4 : 0);
     l.pool_src_offset = take(l.pool_rows * 4);
     l.dispatch_x_offset = take(l.pool_rows * l.token_bytes);
     l.dispatch_sf_offset = take(l.pool_rows * l.token_sf_bytes);
@@ -129,6 +139,7 @@ struct BufferLayout {
   X(total_bytes) X(error_offset) X(num_tokens_offset) X(expert_count_offset)                  \
   X(expert_offset_offset) X(tile_offset_offset) X(sched_offset) X(peer_ptrs_offset) X(signal_offset) X(x_offset) \
   X(x_sf_offset) X(x_global_sf_offset) X(topk_idx_offset) X(topk_weights_offset)              \
+  X(recv_count_offset) X(recv_idx_offset)                                                     \
   X(pool_src_offset) X(dispatch_x_offset) X(dispatch_sf_offset) X(dispatch_global_sf_offset)  \
   X(dispatch_weight_offset) X(pool_offset) X(pool_sf_offset) X(pool_global_sf_offset)                \
   X(combine_offset) X(token_bytes) X(token_sf_bytes) X(pool_rows) X(pool_row_bytes)          \
