@@ -194,3 +194,21 @@ def test_memory_report_small_layer():
         assert 0 < b["fp4_bytes"] < b["fp8_bytes"]
     # (pool rows round up to 128, so the ranks are compared at 64 tokens: 128 and 256 routed rows)
     assert rows[(1, 16)]["fp8_bytes"] < rows[(1, 64)]["fp8_bytes"] < rows[(2, 64)]["fp8_bytes"]
+
+
+def test_every_kernel_switch_is_documented():
+    """Every MEGAMOE_* environment variable the C++ sources read (std::getenv, forced_block_m, rotate_rounds) has a row
+    in the README's table of kernel switches, and the table names no variable the sources no longer read."""
+    import re
+
+    read = set()
+    for path in (ROOT / "csrc").rglob("*"):
+        if path.suffix in (".hpp", ".cpp", ".cu", ".cuh", ".h"):
+            read |= set(re.findall(r'(?:getenv|forced_block_m|rotate_rounds)\("(MEGAMOE_[A-Z0-9_]+)"', path.read_text()))
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("Kernel switches"):]
+    table = table[:table.index("\n## ")]
+    rows = set(re.findall(r"^\| `(MEGAMOE_[A-Z0-9_]+)`(?:, `(MEGAMOE_[A-Z0-9_]+)`)?", table, flags=re.M))
+    documented = {name for row in rows for name in row if name}
+    assert read - documented == set(), "switches read by csrc/ without a README row"
+    assert documented - read == set(), "README rows for switches csrc/ no longer reads"
