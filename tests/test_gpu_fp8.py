@@ -395,6 +395,31 @@ def skewed_case(case_args, seed_offset):
     return case
 
 
+@pytest.mark.parametrize("case_args", [(8, 256, 384, 8, 8192, 0.1), (64, 640, 896, 8, 1000, 0.0),
+                                       (5, 384, 256, 2, 700, 0.0), (256, 4096, 2048, 6, 2048, 0.05)],
+                         ids=lambda a: "E{}H{}I{}K{}T{}m{}".format(*a))
+def test_routing_places_every_slot_once(case_args):
+    """Routing's pool rows: pool_src holds every valid slot exactly once, each in its expert's row range (expert_offset),
+    on one rank from 1,400 to 65,536 slots (past the routing block's slot cache: ids read twice), with hot experts and
+    masked slots; pool_src poisoned first; outputs match the reference."""
+    e, h, i, k, t, masked = case_args
+    if e >= 256:
+        release_gpu_memory()
+    case = make_case(e, h, i, k, t, device="cuda", masked_fraction=masked, seed=t + 5 * e)
+    if e <= 8:
+        skew_first_slot(case, e)  # a hot expert: windows of unequal experts
+    lay = case.buffer.layout
+    poison_outputs(case.buffer)
+    case.buffer.buffer[lay["pool_src_offset"]:lay["dispatch_x_offset"]].fill_(0xFF)
+    y = run_poisoned(case)
+    off = case.buffer.view("expert_offset", (e + 1,), torch.int32).cpu().long()
+    src = case.buffer.view("pool_src", (lay["pool_rows"],), torch.int32)[:int(off[-1])].cpu().long()
+    ids = case.topk_idx.reshape(-1).cpu().long()
+    assert torch.equal(src.sort().values, (ids >= 0).nonzero().flatten())
+    assert torch.equal(ids[src], torch.repeat_interleave(torch.arange(e), off[1:] - off[:-1]))
+    assert rel_err(y, case.ref) <= TOL
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_launches"])
 @pytest.mark.parametrize("case_args", [(8, 256, 384, 1, 779, (1, 64, 65, 128, 129, 192, 200, 0)),
                                        (16, 256, 384, 1, 1807, (1, 32, 33, 64, 65, 96, 97, 128, 129, 160, 161, 192,
