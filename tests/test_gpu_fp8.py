@@ -407,7 +407,7 @@ def test_routing_places_every_slot_once(case_args):
         release_gpu_memory()
     case = make_case(e, h, i, k, t, device="cuda", masked_fraction=masked, seed=t + 5 * e)
     if e <= 8:
-        skew_first_slot(case, e)  # a hot expert: windows of unequal experts
+        skew_first_slot(case, e)  # hot experts: unequal row counts
     lay = case.buffer.layout
     poison_outputs(case.buffer)
     case.buffer.buffer[lay["pool_src_offset"]:lay["dispatch_x_offset"]].fill_(0xFF)
