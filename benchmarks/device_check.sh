@@ -82,7 +82,7 @@ if has profile; then
 fi
 if has ncu; then
   # Nsight Compute, full set with source counters, of the grouped-GEMM kernels of one call per case
-  # (NCU_CASES: format:act_format:tokens, V4-Flash); details and per-SASS-instruction stalls as text.
+  # (NCU_CASES: format:act_format:tokens; NCU_MODEL, default V4-Flash); details and per-SASS-instruction stalls as text.
   # NCU_ABLATION (benchmarks/ablate.py patches, comma list) profiles an ablated copy of the tree instead.
   ncu_tree=$PWD
   if [ -n "${NCU_ABLATION:-}" ]; then
@@ -92,7 +92,7 @@ if has ncu; then
     IFS=: read -r fmt act t <<<"$spec"
     rep="$out/ncu-$fmt-a$act-$t${NCU_ABLATION:+-abl}"
     (cd "$ncu_tree/benchmarks" && PYTHONPATH="$ncu_tree" ncu --profile-from-start off --clock-control none --set full --import-source yes \
-      -k "regex:${NCU_KERNELS:-grouped_gemm}" -f -o "$rep" python3 profile_moe.py --ncu --model V4-Flash --format "$fmt" \
+      -k "regex:${NCU_KERNELS:-grouped_gemm}" -f -o "$rep" python3 profile_moe.py --ncu --model "${NCU_MODEL:-V4-Flash}" --format "$fmt" \
       --act-format "$act" --tokens "$t") >"$rep.log" 2>&1 || tail -20 "$rep.log"
     ncu -i "$rep.ncu-rep" --page details >"$rep-details.txt" 2>&1
     ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep-sass.csv" 2>&1
