@@ -569,15 +569,15 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     // ======================================================================== producer, converters
     ptx::setmaxnreg_dec<R::kProducerRegs>();
     const int warp = threadIdx.x / 32;
-    // Every load waits for the grid before this one (gather, or L1 for L2), weights included.
-    // NOTES: until 2026-11-27 the CTA's first tile loaded its first kNumStages stages of weights and weight scales
-    // before that wait (as the FP8 kernel's weight producer streams: H100 A/B of 2026-11-26, V4-Flash, T=1 -2 to
-    // -7 %, before the split last round and the folding gather). Re-measured (H100, 2026-11-27, 1 round, every FP4 pair,
-    // both models; docs/bench/h100-2026-11-27e-ab-fp4-no-early-weights.json), time without over with, in a graph:
-    // T=1 0.84-0.90, T=2 0.85-0.97, T=4 0.93-0.98, T=16 0.98-0.99, T = 128 / 2048 0.99-1.02. Graph timeline at V4-Pro
-    // MXFP4 w4a8 T=1: the gather ended at 14.0 us instead of 20.0 and L1 at 61.8 instead of 85.5 (L1 streamed its
-    // 132 MB in 48 us from the gather's end instead of 65). benchmarks/patches/fp4-early-weights-reverted.patch
-    // restores them. The FP8 kernel's early weight stream still wins there (the same A/B, V4-Flash T=1: 1.07 without).
+    // The CTA's first tile: the weights and weight scales of its first `early` stages load before the grid dependency
+    // wait (they never come from an earlier kernel, and the routing metadata the tile search reads is final at launch,
+    // see num_tiles), so that they stream while the predecessor finishes, as the FP8 kernel's weight producer does.
+    // Those stages are free: no consumer has run yet. NOTES: at T=1 the L1 / L2 tiles' claim -> first full stage took
+    // 5-6 us (H100 tile trace, 2026-11-26); with this, H100 A/B (V4-Flash, every FP4 format pair, 1 round,
+    // docs/bench/h100-2026-11-26-ab-fp4-early-weights.json): T=1 -2 to -7 %, T=16 -2 to -4 % per replay and in a
+    // graph; T=128 / 2048 within the run's noise.
+    const SplitUnit first_unit = split_unit<kSplitK>(blockIdx.x, plan, num_kblocks, p.rotate_rounds);
+    const int early = blockIdx.x < num_units ? min(kNumStages, first_unit.kb_end - first_unit.kb_begin) : 0;
     // The whole TMA warp finds each tile (decode_tile_warp: 3 L2 round trips, as the FP8 producer, instead of
     // a serial binary search's ~10 dependent loads); lane 0 issues.
     if (warp == 0) {
@@ -609,22 +609,40 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         else bytes += ((kb + 1) * kBlockK <= p.k ? 2 : 1) * cols * 128;
         return bytes;
       };
+      TileInfo first{};
+      if (early > 0) {
+        first = claim(first_unit.tile);
+        if (lane == 0) {
+          tile_infos[0] = first;
+          for (int i = 0; i < early; ++i) {
+            const int kb = first_unit.kb_begin + i;
+            ptx::mbarrier_arrive_expect_tx(&full[i], stage_bytes(kb, first.rows));
+            ptx::tma_load_2d(tile_a(i), &tmap_weights, &full[i], kb * (kBlockK / 2), first.expert * p.n + first.n_block * kTileN);
+          }
+#ifdef MEGAMOE_TILE_TRACE
+          if (trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
+#endif
+        }
+      }
       ptx::grid_dependency_wait();
       if (lane == 0) ptx::launch_dependents();
       for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+        const bool is_first = unit == blockIdx.x;
         const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks, p.rotate_rounds);
-        const TileInfo t = claim(u.tile);
+        const TileInfo t = is_first ? first : claim(u.tile);
         if (lane != 0) continue;  // lanes 1-31 take part in the search only
         const int weight_row = t.expert * p.n + t.n_block * kTileN;
         for (int kb = u.kb_begin; kb < u.kb_end; ++kb) {
           const bool full_stage = (kb + 1) * kBlockK <= p.k;
-          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
-          if (kb == u.kb_begin) tile_infos[stage] = t;
-          ptx::mbarrier_arrive_expect_tx(&full[stage], stage_bytes(kb, t.rows));
-          ptx::tma_load_2d(tile_a(stage), &tmap_weights, &full[stage], kb * (kBlockK / 2), weight_row);
+          if (!is_first || kb - u.kb_begin >= early) {
+            ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+            if (kb == u.kb_begin) tile_infos[stage] = t;
+            ptx::mbarrier_arrive_expect_tx(&full[stage], stage_bytes(kb, t.rows));
+            ptx::tma_load_2d(tile_a(stage), &tmap_weights, &full[stage], kb * (kBlockK / 2), weight_row);
 #ifdef MEGAMOE_TILE_TRACE
-          if (kb == u.kb_begin && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
+            if (kb == u.kb_begin && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
 #endif
+          }
           // Token rows [row0, row0 + block_m) and, in a wide tile, the tail rows after them (1024-byte aligned:
           // the 128B swizzle phase of a row is its index mod 8 either way). E4M3 tokens: two 128-K groups of kCols
           // rows.
@@ -700,17 +718,24 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           }
         }
       };
+      // The first tile's early stages: weight scales before the grid dependency wait, as the TMA warp's weights.
+      const TileInfo first = early > 0 ? decode_tile_warp(first_unit.tile, tile_offset, expert_offset, num_experts,
+                                                          num_nblocks, kBlockM) : TileInfo{};
+      for (int i = 0; i < early; ++i) copy_weight_scales(first, first_unit.kb_begin + i, tile_sw(i), i == 0);
       // The token scales come from the grid before this one (gather, or L1 for L2): wait for it as the
       // TMA thread does (without this wait L2's scales raced with L1's epilogue and runs differed).
       ptx::grid_dependency_wait();
       int stage = 0;
       uint32_t phase = 0;
       for (int unit = blockIdx.x; unit < num_units; unit += gridDim.x) {
+        const bool is_first = unit == blockIdx.x;
         const SplitUnit u = split_unit<kSplitK>(unit, plan, num_kblocks, p.rotate_rounds);
-        const TileInfo t = decode_tile_warp(u.tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
+        const TileInfo t = is_first ? first : decode_tile_warp(u.tile, tile_offset, expert_offset, num_experts, num_nblocks, kBlockM);
         for (int kb = u.kb_begin; kb < u.kb_end; ++kb) {
-          ptx::mbarrier_wait(&empty[stage], phase ^ 1);
-          copy_weight_scales(t, kb, tile_sw(stage), kb == u.kb_begin);
+          if (!is_first || kb - u.kb_begin >= early) {
+            ptx::mbarrier_wait(&empty[stage], phase ^ 1);
+            copy_weight_scales(t, kb, tile_sw(stage), kb == u.kb_begin);
+          }
           uint8_t* dst_a = tile_sa(stage);
           if (folded) {
             // The stage's two groups of float factors [2][kCols] (the tile's own rows).
