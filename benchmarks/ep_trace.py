@@ -10,8 +10,9 @@ prints, per rank, the median over the last replay's calls of each phase's length
 - pre_dispatch: dependency wait -> end;
 - routing: dependency wait -> barrier 0 passed (every rank's pre_dispatch done; skew included) -> the ranks' token
   counts read -> every rank's ids read and counted -> scanned -> scattered;
-- gather (block 0: its 8 warps take rows 0-7, every row where the rank receives at most 8): dependency wait -> row
-  count read -> its first row stored -> its other rows (calls where block 0 has no row are left out);
+- gather (block 0: its 8 warps take items 0-7, rows or, in the folding gathers, a row's passes of 32 groups; every
+  item where the rank receives few rows): dependency wait -> row count read -> its first item stored -> its other
+  items (calls where block 0 has no item are left out);
 - combine (block 0): dependency wait -> barrier 1 passed -> end.
 NOTES: a kernel that printed completes late (tile_trace.py: ~30 µs on H100), so only the durations inside one kernel
 hold, never the gaps between kernels, and a barrier's wait includes the peers' printing.

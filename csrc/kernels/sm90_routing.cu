@@ -334,11 +334,21 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
   const int rank_slots = static_cast<int>(l.max_tokens_per_rank * l.top_k);
   const int top_k = static_cast<int>(l.top_k);
   const int chunks = static_cast<int>(l.token_bytes / 16);
+  // A warp per item: a row (copy), or a row's pass of up to kFoldStageGroups 128-K groups (the folds), so that at
+  // decode a row's passes run side by side on several warps instead of one after the other.
+  // NOTES: V4-Pro (56 groups: 2 passes) MXFP4 w4a8 T=1 on one warp per row: the folding gather's one row took 13.7 us
+  // in a graph replay against 2.8 for FP8's copy (ep_trace.py, H100, 2026-11-27), ncu of the gather alone 9.8 against
+  // 7.7 us: each dependent round trip waits behind L1's early weight loads (without them the gather ended 6 us
+  // sooner; docs/perf-notes.md, thirty-eighth session).
+  const int groups = kFold == kFoldFP8 ? chunks / 8 : chunks / 4;  // 128-K groups per row (the folds)
+  const int passes = fold ? (groups + kFoldStageGroups - 1) / kFoldStageGroups : 1;
+  const int num_items = num_rows * passes;
   const int first = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  int src = first < num_rows ? __ldcg(pool_src + first) : 0;
-  for (int row = first; row < num_rows; row += warps) {
-    // The next row's source is loaded under this row's copy: one round trip per row, not two.
-    const int next_src = row + warps < num_rows ? __ldcg(pool_src + row + warps) : 0;
+  int src = first < num_items ? __ldcg(pool_src + first / passes) : 0;
+  for (int item = first; item < num_items; item += warps) {
+    const int row = item / passes, base = (item - row * passes) * kFoldStageGroups;  // base: the pass's first group
+    // The next item's source is loaded under this item's copy: one round trip per item, not two.
+    const int next_src = item + warps < num_items ? __ldcg(pool_src + (item + warps) / passes) : 0;
     const int src_rank = src / rank_slots, slot = src - src_rank * rank_slots, token = slot / top_k;
     const uint8_t* peer = peer_buffer(buffer, l, src_rank);
     const uint4* from = reinterpret_cast<const uint4*>(peer + l.x_offset + int64_t(token) * l.token_bytes);
@@ -356,39 +366,35 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
       }
     }
     float weight = 0.f, global_sf = 0.f;
-    if (lane == 0) {
+    if (lane == 0 && base == 0) {  // one pass of a row stores them
       weight = __ldcg(reinterpret_cast<const float*>(peer + l.topk_weights_offset) + slot);
       if (has_global_sf) global_sf = __ldcg(reinterpret_cast<const float*>(peer + l.x_global_sf_offset) + token);
     }
     if constexpr (kFold == kFoldFP8) {
-      // Passes of up to 32 groups, lane g folding group g (its scale bytes: one word of the token's row of them).
-      for (int base = 0; base < chunks / 8; base += kFoldStageGroups) {
-        const int n = min(kFoldStageGroups, chunks / 8 - base);
-        const uint32_t scales4 = lane < n ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + base + lane) : 0u;
-        const uint32_t tmax = warp_fold_fp8_groups(from, to, base, n, scales4, stage, lane);
-        if (lane < n) reinterpret_cast<float*>(dsf)[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
-      }
+      // This pass's groups, lane g folding group base + g (its scale bytes: one word of the token's row of them).
+      const int n = min(kFoldStageGroups, groups - base);
+      const uint32_t scales4 = lane < n ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + base + lane) : 0u;
+      const uint32_t tmax = warp_fold_fp8_groups(from, to, base, n, scales4, stage, lane);
+      if (lane < n) reinterpret_cast<float*>(dsf)[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
     } else if constexpr (kFold == kFoldMXFP4) {
       // As above, into the E4M3 rows of `hidden` bytes at fold_dst (the packed rows and their scales are not copied).
       uint4* folded = reinterpret_cast<uint4*>(fold_dst + int64_t(row) * l.hidden);
-      for (int base = 0; base < chunks / 4; base += kFoldStageGroups) {
-        const int n = min(kFoldStageGroups, chunks / 4 - base);
-        const uint32_t scales4 = lane < n ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + base + lane) : 0u;
-        const uint32_t tmax = warp_fold_mxfp4_groups(from, folded, base, n, scales4, tables, stage, lane);
-        if (lane < n) fold_factors[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
-      }
+      const int n = min(kFoldStageGroups, groups - base);
+      const uint32_t scales4 = lane < n ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + base + lane) : 0u;
+      const uint32_t tmax = warp_fold_mxfp4_groups(from, folded, base, n, scales4, tables, stage, lane);
+      if (lane < n) fold_factors[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
     } else {
       constexpr int kMaxChunksPerLane = 8;  // hidden <= 8 * 32 * 16 bytes = 4096 FP8 per pass
-      for (int base = 0; base < chunks; base += 32 * kMaxChunksPerLane) {
+      for (int c0 = 0; c0 < chunks; c0 += 32 * kMaxChunksPerLane) {
         uint4 v[kMaxChunksPerLane];
 #pragma unroll
         for (int u = 0; u < kMaxChunksPerLane; ++u) {
-          const int i = base + u * 32 + lane;
+          const int i = c0 + u * 32 + lane;
           if (i < chunks) v[u] = __ldcg(from + i);
         }
 #pragma unroll
         for (int u = 0; u < kMaxChunksPerLane; ++u) {
-          const int i = base + u * 32 + lane;
+          const int i = c0 + u * 32 + lane;
           if (i < chunks) to[i] = v[u];
         }
       }
@@ -409,12 +415,12 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
           dsf[int64_t(j) * l.pool_rows + row] = sf[j];
       }
     }
-    if (lane == 0) {
+    if (lane == 0 && base == 0) {
       reinterpret_cast<float*>(buffer + l.dispatch_weight_offset)[row] = weight;
       if (has_global_sf) reinterpret_cast<float*>(buffer + l.dispatch_global_sf_offset)[row] = global_sf;
     }
     src = next_src;
-    if (row == first) trace.stamp();
+    if (item == first) trace.stamp();
   }
   trace.stamp();
   if (threadIdx.x == 0 && (kPhaseTraceAllBlocks || blockIdx.x == 0)) trace.print("gather");
