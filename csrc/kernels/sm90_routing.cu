@@ -334,19 +334,24 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
   const int rank_slots = static_cast<int>(l.max_tokens_per_rank * l.top_k);
   const int top_k = static_cast<int>(l.top_k);
   const int chunks = static_cast<int>(l.token_bytes / 16);
-  // A warp per item: a row (copy), or a row's pass of up to kFoldStageGroups 128-K groups (the folds), so that at
-  // decode a row's passes run side by side on several warps instead of one after the other.
+  // A warp per item: a row, or in the folding gathers, where the rows' passes of up to kFoldStageGroups 128-K groups
+  // fit the grid's warps at once (decode), a row's pass: its passes run side by side instead of one after the other.
+  // Either way each group is folded by the same code, so the bits do not depend on the split.
   // NOTES: V4-Pro (56 groups: 2 passes) MXFP4 w4a8 T=1 on one warp per row: the folding gather's one row took 13.7 us
   // in a graph replay against 2.8 for FP8's copy (ep_trace.py, H100, 2026-11-27), ncu of the gather alone 9.8 against
   // 7.7 us: each dependent round trip waits behind L1's early weight loads (without them the gather ended 6 us
   // sooner; docs/perf-notes.md, thirty-eighth session).
   const int groups = kFold == kFoldFP8 ? chunks / 8 : chunks / 4;  // 128-K groups per row (the folds)
-  const int passes = fold ? (groups + kFoldStageGroups - 1) / kFoldStageGroups : 1;
+  const int row_passes = fold ? (groups + kFoldStageGroups - 1) / kFoldStageGroups : 1;
+  const int passes = num_rows * row_passes <= warps ? row_passes : 1;  // items per row
   const int num_items = num_rows * passes;
   const int first = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   int src = first < num_items ? __ldcg(pool_src + first / passes) : 0;
   for (int item = first; item < num_items; item += warps) {
-    const int row = item / passes, base = (item - row * passes) * kFoldStageGroups;  // base: the pass's first group
+    const int row = item / passes, pass = item - row * passes;
+    // The item's groups [group_begin, group_end): one pass of the row, or all of them.
+    const int group_begin = pass * kFoldStageGroups;
+    const int group_end = passes == 1 ? groups : min(groups, group_begin + kFoldStageGroups);
     // The next item's source is loaded under this item's copy: one round trip per item, not two.
     const int next_src = item + warps < num_items ? __ldcg(pool_src + (item + warps) / passes) : 0;
     const int src_rank = src / rank_slots, slot = src - src_rank * rank_slots, token = slot / top_k;
@@ -366,23 +371,27 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
       }
     }
     float weight = 0.f, global_sf = 0.f;
-    if (lane == 0 && base == 0) {  // one pass of a row stores them
+    if (lane == 0 && pass == 0) {  // one item of a row stores them
       weight = __ldcg(reinterpret_cast<const float*>(peer + l.topk_weights_offset) + slot);
       if (has_global_sf) global_sf = __ldcg(reinterpret_cast<const float*>(peer + l.x_global_sf_offset) + token);
     }
     if constexpr (kFold == kFoldFP8) {
-      // This pass's groups, lane g folding group base + g (its scale bytes: one word of the token's row of them).
-      const int n = min(kFoldStageGroups, groups - base);
-      const uint32_t scales4 = lane < n ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + base + lane) : 0u;
-      const uint32_t tmax = warp_fold_fp8_groups(from, to, base, n, scales4, stage, lane);
-      if (lane < n) reinterpret_cast<float*>(dsf)[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
+      // Passes of up to 32 groups, lane g folding group base + g (its scale bytes: one word of the token's row of them).
+      for (int base = group_begin; base < group_end; base += kFoldStageGroups) {
+        const int n = min(kFoldStageGroups, group_end - base);
+        const uint32_t scales4 = lane < n ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + base + lane) : 0u;
+        const uint32_t tmax = warp_fold_fp8_groups(from, to, base, n, scales4, stage, lane);
+        if (lane < n) reinterpret_cast<float*>(dsf)[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
+      }
     } else if constexpr (kFold == kFoldMXFP4) {
       // As above, into the E4M3 rows of `hidden` bytes at fold_dst (the packed rows and their scales are not copied).
       uint4* folded = reinterpret_cast<uint4*>(fold_dst + int64_t(row) * l.hidden);
-      const int n = min(kFoldStageGroups, groups - base);
-      const uint32_t scales4 = lane < n ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + base + lane) : 0u;
-      const uint32_t tmax = warp_fold_mxfp4_groups(from, folded, base, n, scales4, tables, stage, lane);
-      if (lane < n) fold_factors[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
+      for (int base = group_begin; base < group_end; base += kFoldStageGroups) {
+        const int n = min(kFoldStageGroups, group_end - base);
+        const uint32_t scales4 = lane < n ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + base + lane) : 0u;
+        const uint32_t tmax = warp_fold_mxfp4_groups(from, folded, base, n, scales4, tables, stage, lane);
+        if (lane < n) fold_factors[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
+      }
     } else {
       constexpr int kMaxChunksPerLane = 8;  // hidden <= 8 * 32 * 16 bytes = 4096 FP8 per pass
       for (int c0 = 0; c0 < chunks; c0 += 32 * kMaxChunksPerLane) {
@@ -415,7 +424,7 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
           dsf[int64_t(j) * l.pool_rows + row] = sf[j];
       }
     }
-    if (lane == 0 && base == 0) {
+    if (lane == 0 && pass == 0) {
       reinterpret_cast<float*>(buffer + l.dispatch_weight_offset)[row] = weight;
       if (has_global_sf) reinterpret_cast<float*>(buffer + l.dispatch_global_sf_offset)[row] = global_sf;
     }
