@@ -147,14 +147,17 @@ def fold_rows(x8: torch.Tensor, sf: torch.Tensor):
     return tiles, factors
 
 
-# 4608: 36 groups, two passes of the gather's per-warp stage (32 + 4 groups).
-@pytest.mark.parametrize("hidden,inter,spread", [(640, 384, 12), (1024, 256, 4), (4608, 256, 5)])
-def test_mxfp4_w4a8_gather_fold_bits(hidden, inter, spread, monkeypatch):
+# 4608: 36 groups, two passes of the gather's per-warp stage (32 + 4 groups): with few rows on two warps each (a warp
+# per pass, where every row's passes fit the grid's warps at once), with 1,200 rows (2,400 passes: more than an H100's
+# 2,112 gather warps) one warp per row.
+@pytest.mark.parametrize("hidden,inter,spread,rows", [
+    (640, 384, 12, "few"), (1024, 256, 4, "few"), (4608, 256, 5, "few"), (4608, 256, 5, "many")])
+def test_mxfp4_w4a8_gather_fold_bits(hidden, inter, spread, rows, monkeypatch):
     """L1's FP8 tokens on the FP8-wgmma path, folded by the gather per 128-K group: the dispatch rows and factors it
     leaves in the buffer equal a torch model of the fold bit for bit (fold_rows), for every pool row, hidden 640 (a
     partial stage) and 1024, with each group's four quarter scales about 2^0..2^spread apart (12: past E4M3's range,
     so the fold rounds and flushes)."""
-    rows = [5, 0, 17, 40, 3, 64, 1, 9]
+    rows = [5, 0, 17, 40, 3, 64, 1, 9] if rows == "few" else [300, 0, 417, 483]
     case = case_with_rows(rows, hidden, inter, "mxfp4", "fp8", seed=707 + hidden, routing_seed=708)
     quarter = torch.arange(hidden, device="cuda") // 32 % 4
     case.x = (case.x.float() * torch.exp2(quarter.float() * spread / 3)).to(case.x.dtype)
