@@ -7,8 +7,8 @@
 #   device: run(command="AB_VARIANTS='.ab/main .ab/wip-x .,MEGAMOE_FP8_FUSED=0' bash benchmarks/ab.sh", carry=[".ab"])
 # Each tree is built once, in place; with AB_TESTS (a pytest -k expression, or "all") the GPU tests (-m gpu, 300 s
 # per test and AB_TEST_BUDGET_S in all at most) run for every variant but the first (the verified base;
-# AB_TEST_VARIANTS="1 3" picks others, "0 1" includes the base), with its settings, and a variant that fails them is left out of the
-# benchmark; bench_moe (no peer pipeline) then runs on the variants in turn, AB_ROUNDS times. Under $OUT (at most
+# AB_TEST_VARIANTS="1 3" picks others, "0 1" includes the base), with its settings, and a variant that fails them
+# (but the base) is left out of the benchmark; bench_moe (no peer pipeline) then runs on the variants in turn, AB_ROUNDS times. Under $OUT (at most
 # 8 files come back): ab.txt (each row's median time / floor per variant and its median time over the first
 # variant's), ab.json (every row, with variant and round), ab-log.txt (build, test and bench logs).
 #   AB_FORMATS (fp8), AB_ACT_FORMATS (fp8,fp4: the FP4 rows), AB_MODELS (V4-Flash,V4-Pro), AB_TOKENS (1,16,512,2048,8192), AB_ROUNDS (1)
