@@ -444,6 +444,22 @@ __device__ __forceinline__ uint32_t warp_fold_mxfp4_groups(const uint4* from, ui
   return tmax;
 }
 
+// Groups [begin, end) of one row, in passes of up to kFoldStageGroups: lane g of a pass folds group base + g
+// (warp_fold_mxfp4_groups with kMXFP4, else warp_fold_fp8_groups), scale_word(g) giving its 4 scale bytes, and hands
+// its factor 2^(T - 127) to store_factor(g, f). The gather and the pool fold passes run their rows through it.
+template <bool kMXFP4, typename ScaleWord, typename StoreFactor>
+__device__ __forceinline__ void warp_fold_row(const uint4* from, uint4* to, int begin, int end, ScaleWord&& scale_word,
+                                              StoreFactor&& store_factor, const uint2* tables, uint4* stage, int lane) {
+  for (int base = begin; base < end; base += kFoldStageGroups) {
+    const int n = min(kFoldStageGroups, end - base);
+    const uint32_t scales4 = lane < n ? scale_word(base + lane) : 0u;
+    uint32_t tmax;
+    if constexpr (kMXFP4) tmax = warp_fold_mxfp4_groups(from, to, base, n, scales4, tables, stage, lane);
+    else tmax = warp_fold_fp8_groups(from, to, base, n, scales4, stage, lane);
+    if (lane < n) store_factor(base + lane, ue8m0_float(tmax));
+  }
+}
+
 // NOTES: NaN-propagating max / min (PTX max.NaN / min.NaN) for every amax and clamp on a quantization
 // path. fmaxf / fminf return the other operand for a NaN (IEEE maxNum): a NaN activation then vanished into
 // a finite scale or a clamp bound and the output came out finite, while the reference (torch amax / clamp)

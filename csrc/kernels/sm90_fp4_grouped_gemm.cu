@@ -167,12 +167,9 @@ __global__ void __launch_bounds__(kFoldPassThreads, 2) pool_fold_kernel(uint8_t*
   const int warps = gridDim.x * kFoldPassThreads / 32;
   for (int row = (blockIdx.x * kFoldPassThreads + threadIdx.x) / 32; row < rows; row += warps) {
     uint4* data = reinterpret_cast<uint4*>(buffer + l.pool_offset + int64_t(row) * l.pool_row_bytes);
-    for (int base = 0; base < groups; base += kFoldStageGroups) {
-      const int n = min(kFoldStageGroups, groups - base);
-      const uint32_t scales4 = lane < n ? group_scales4(pool_sf, base + lane, l.pool_rows, row) : 0u;
-      const uint32_t tmax = warp_fold_fp8_groups(data, data, base, n, scales4, stage, lane);
-      if (lane < n) factors[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
-    }
+    warp_fold_row<false>(
+        data, data, 0, groups, [&](int g) { return group_scales4(pool_sf, g, l.pool_rows, row); },
+        [&](int g, float f) { factors[int64_t(g) * l.pool_rows + row] = f; }, nullptr, stage, lane);
   }
 }
 
@@ -196,12 +193,9 @@ __global__ void __launch_bounds__(kFoldPassThreads, 2) fold_mxfp4_kernel(const u
   for (int row = (blockIdx.x * kFoldPassThreads + threadIdx.x) / 32; row < rows; row += warps) {
     const uint4* packed = reinterpret_cast<const uint4*>(src + int64_t(row) * (k / 2));
     uint4* folded = reinterpret_cast<uint4*>(dst + int64_t(row) * k);
-    for (int base = 0; base < groups; base += kFoldStageGroups) {
-      const int n = min(kFoldStageGroups, groups - base);
-      const uint32_t scales4 = lane < n ? group_scales4(src_sf, base + lane, l.pool_rows, row) : 0u;
-      const uint32_t tmax = warp_fold_mxfp4_groups(packed, folded, base, n, scales4, tables, stage, lane);
-      if (lane < n) factors[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
-    }
+    warp_fold_row<true>(
+        packed, folded, 0, groups, [&](int g) { return group_scales4(src_sf, g, l.pool_rows, row); },
+        [&](int g, float f) { factors[int64_t(g) * l.pool_rows + row] = f; }, tables, stage, lane);
   }
 }
 

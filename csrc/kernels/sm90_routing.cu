@@ -375,23 +375,20 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
       weight = __ldcg(reinterpret_cast<const float*>(peer + l.topk_weights_offset) + slot);
       if (has_global_sf) global_sf = __ldcg(reinterpret_cast<const float*>(peer + l.x_global_sf_offset) + token);
     }
+    // The folds: passes of up to 32 groups, lane g folding group base + g (its scale bytes: one word of the token's
+    // row of them).
+    auto scale_word = [&](int g) { return __ldcg(reinterpret_cast<const uint32_t*>(sf) + g); };
     if constexpr (kFold == kFoldFP8) {
-      // Passes of up to 32 groups, lane g folding group base + g (its scale bytes: one word of the token's row of them).
-      for (int base = group_begin; base < group_end; base += kFoldStageGroups) {
-        const int n = min(kFoldStageGroups, group_end - base);
-        const uint32_t scales4 = lane < n ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + base + lane) : 0u;
-        const uint32_t tmax = warp_fold_fp8_groups(from, to, base, n, scales4, stage, lane);
-        if (lane < n) reinterpret_cast<float*>(dsf)[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
-      }
+      warp_fold_row<false>(
+          from, to, group_begin, group_end, scale_word,
+          [&](int g, float f) { reinterpret_cast<float*>(dsf)[int64_t(g) * l.pool_rows + row] = f; }, nullptr, stage,
+          lane);
     } else if constexpr (kFold == kFoldMXFP4) {
-      // As above, into the E4M3 rows of `hidden` bytes at fold_dst (the packed rows and their scales are not copied).
+      // Into the E4M3 rows of `hidden` bytes at fold_dst (the packed rows and their scales are not copied).
       uint4* folded = reinterpret_cast<uint4*>(fold_dst + int64_t(row) * l.hidden);
-      for (int base = group_begin; base < group_end; base += kFoldStageGroups) {
-        const int n = min(kFoldStageGroups, group_end - base);
-        const uint32_t scales4 = lane < n ? __ldcg(reinterpret_cast<const uint32_t*>(sf) + base + lane) : 0u;
-        const uint32_t tmax = warp_fold_mxfp4_groups(from, folded, base, n, scales4, tables, stage, lane);
-        if (lane < n) fold_factors[int64_t(base + lane) * l.pool_rows + row] = ue8m0_float(tmax);
-      }
+      warp_fold_row<true>(
+          from, folded, group_begin, group_end, scale_word,
+          [&](int g, float f) { fold_factors[int64_t(g) * l.pool_rows + row] = f; }, tables, stage, lane);
     } else {
       constexpr int kMaxChunksPerLane = 8;  // hidden <= 8 * 32 * 16 bytes = 4096 FP8 per pass
       for (int c0 = 0; c0 < chunks; c0 += 32 * kMaxChunksPerLane) {
