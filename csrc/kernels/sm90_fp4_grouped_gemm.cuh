@@ -548,10 +548,11 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kNumStages; ++s) {
       ptx::mbarrier_init(&full[s], 1 + 32);  // TMA thread + the 32 scale-copy lanes
-      // Every consumer and converter thread releases a stage (as the FP8 kernel: with one lane per warp after
-      // __syncwarp, compute-sanitizer's racecheck did not see the other lanes' reads ordered before the producer's next
-      // writes to the slot; H100, 2026-11-26, 29 reports in the block_m 64 / 128 FP8-wgmma builds).
-      ptx::mbarrier_init(&empty[s], kNumConsumerThreads + (kFoldedOnly ? 0 : R::kConverterWarps * 32));
+      // Every consumer and converter thread (no converters with folded tokens) releases a stage (as the FP8 kernel:
+      // with one lane per warp after __syncwarp, compute-sanitizer's racecheck did not see the other lanes' reads
+      // ordered before the producer's next writes to the slot; H100, 2026-11-26, 29 reports in the block_m 64 / 128
+      // FP8-wgmma builds).
+      ptx::mbarrier_init(&empty[s], kNumConsumerThreads + (kFoldedOnly || folded ? 0 : R::kConverterWarps * 32));
     }
     for (int b = 0; b < kNumBfTiles; ++b) {
       ptx::mbarrier_init(&bf_full[b], R::kConverterWarps * 32);
@@ -766,7 +767,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         }
       }
       ptx::cp_async_wait_all();
-    } else if (warp >= 2 && !kFoldedOnly) {
+    } else if (warp >= 2 && !kFoldedOnly && !folded) {
+      // Folded tokens (the wgmmas read the stage's own token tile): no converters, no ring (the consumers keep its
+      // tiles as the epilogue's scratch), as at block_m 128.
       // Token tile -> bf16 tile b (a ring of kNumBfTiles). Tile b is free once every consumer warp has finished
       // the wgmmas that read it; the stage is released to the producer once its token part is converted.
       const int ctid = warpgroup == 0 ? threadIdx.x - 64 : threadIdx.x - (128 + kNumConsumerThreads) + 64;
@@ -796,7 +799,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             rows = tile_infos[stage].rows;
 #endif
           }
-          for (int u = ctid; u < (folded ? 0 : units); u += R::kConverterWarps * 32) {
+          for (int u = ctid; u < units; u += R::kConverterWarps * 32) {
             const int n = u / 8, g = (u / 4) % 2, uq = u % 4;  // uq = lane % 4: the quad of (n, g) is 4 lanes
 #ifdef MEGAMOE_POISON_STALE_COLUMNS
             const bool live = n < rows;  // diagnostic build: the columns past the rows get NaN below
@@ -1011,7 +1014,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #ifdef MEGAMOE_TILE_TRACE
       const int64_t trace_w1 = clock64();
 #endif
-      if constexpr (!kFoldedOnly) ptx::mbarrier_wait(&bf_full[b], bphase);  // block_m 128: no converters, no ring
+      if (!kFoldedOnly && !folded) ptx::mbarrier_wait(&bf_full[b], bphase);  // folded tokens: no converters, no ring
 #ifdef MEGAMOE_TILE_TRACE
       if (ctid == 0 && trace_n < kTraceTiles) trace_c[trace_n][1] += clock64() - trace_w1;  // and the bf16 tile
 #endif
@@ -1034,7 +1037,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           const int g = j / kSlices, ls = j % kSlices;
           if (g >= groups) break;
           // Every wgmma of the previous stage has finished (each group waits for its own below).
-          if (!kFoldedOnly && j == 0 && kb > u.kb_begin) {
+          if (!kFoldedOnly && !folded && j == 0 && kb > u.kb_begin) {
             __syncwarp();
             if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
           }
@@ -1198,7 +1201,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     if (ctid == 0 && trace_n < kTraceTiles)
       trace_t[trace_n][1] = ptx::globaltimer_ns(), trace_c[trace_n][0] += clock64();  // main loop done
 #endif
-    // The last stage's bf16 tile is the epilogue's scratch; it is released at the end of the epilogue.
+    // The last stage's bf16 tile is the epilogue's scratch; it is released (to the converters, if any) at the end of
+    // the epilogue.
     uint8_t* epi = bf;
 
     if (kSplitK && u.split >= 0) {
@@ -1221,7 +1225,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         // Not the last: no epilogue; the bf16 tile is free (the stores above read registers only). The early inputs'
         // copies complete before the next unit's copies to the same words.
         if constexpr (kEarlyInSmem) ptx::cp_async_wait_all();
-        if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
+        if (!folded && lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
 #ifdef MEGAMOE_TILE_TRACE
         if (ctid == 0 && trace_n < kTraceTiles) trace_t[trace_n++][2] = ptx::globaltimer_ns();
 #endif
@@ -1541,8 +1545,9 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       store_combine_tile<kCols, kTileN, kNumConsumerThreads>(src, out_tile, p.buffer, l, t.n_block, p.n, ctid);
       ptx::named_barrier_sync(1, kNumConsumerThreads);
     }
-    // Every consumer is past the epilogue's last read of `epi` (the barrier above): the converters may refill it.
-    if (!kFoldedOnly && lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
+    // Every consumer is past the epilogue's last read of `epi` (the barrier above): the converters (ring mode) may
+    // refill it.
+    if (!kFoldedOnly && !folded && lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
 #ifdef MEGAMOE_TILE_TRACE
     if (ctid == 0 && trace_n < kTraceTiles) trace_t[trace_n++][2] = ptx::globaltimer_ns();  // epilogue done
 #endif
