@@ -524,6 +524,28 @@ def switch_keeps_bits(case, monkeypatch, var):
 
 
 @combo
+@pytest.mark.parametrize("block_m", ["16", "16-split", "64", "128"])
+@pytest.mark.parametrize("hidden,inter", [(1024, 512), (640, 512), (1536, 384)])
+def test_scale_tma_keeps_bits(weight_format, act_format, block_m, hidden, inter, monkeypatch):
+    """The weight scales by one TMA copy per stage (MEGAMOE_FP4_SCALE_TMA=1, the default where the scale rows are
+    16-byte multiples) give the bits of the scale warp's per-row copies (=0), every GEMM output poisoned: block_m 16
+    (also with split K of the last round), 64 and 128 (MXFP4 w4a8), experts of 1-130 rows and one empty. Shapes:
+    both GEMMs by TMA (1024 x 512); L2 by TMA with its last weight tile past the last expert's rows (n = hidden =
+    640: the copy's rows past the matrix land as zeros) while L1 (K = 640) copies per row; L1 by TMA, L2 per row
+    (K = 384)."""
+    if block_m == "128" and (weight_format, act_format) != ("mxfp4", "fp8"):
+        pytest.skip("block_m 128 is the MXFP4 w4a8 (folded tokens) build")
+    rows = [1, 8, 17, 33, 64, 65, 100, 0, 12, 130]
+    case = case_with_rows(rows, hidden, inter, weight_format, act_format, seed=701 + hidden + inter,
+                          routing_seed=702 + hidden)
+    case.ref = case.reference()
+    monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", block_m.split("-")[0])
+    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "2" if block_m.endswith("split") else "0")
+    y = switch_keeps_bits(case, monkeypatch, "MEGAMOE_FP4_SCALE_TMA")
+    assert rel_err(y, case.ref) <= 5e-2
+
+
+@combo
 @pytest.mark.parametrize("shape", [(16, 2048, 512, 4), (64, 640, 896, 8)])
 @pytest.mark.parametrize("num_tokens", [1, 7, 40])
 def test_split_last_round(weight_format, act_format, shape, num_tokens, monkeypatch):

@@ -116,10 +116,9 @@ struct Roles {
   // The converters' thread index: producer warps 2-3 first (64 threads), then the converter warpgroup's 128.
   static_assert(kConverterWarps * 32 == 64 + (kConverterGroup >= 0 ? 128 : 0), "converter thread mapping");
 };
-constexpr int kScaleWordsBytes = 16;  // weight scale bytes per row per stage in shared memory
-// FP8-wgmma path: MXFP4 takes 8 of those 16 bytes; bytes [8, 12) of scale row 4m hold the row exponents of rows 4m .. 4m
-// + 3 (one 4-byte copy) in a unit's first stage.
-constexpr int kRowExpBytes = 8;
+// Weight scale bytes per row per stage in shared memory: NVFP4's 16; MXFP4 reads the first 8 (by TMA the other 8 are the
+// next stage's scales, or zeros past k).
+constexpr int kScaleWordsBytes = 16;
 
 struct Params {
   const uint8_t* weights_sf;       // [E * n, k / wblk] (UE8M0 per 32 or UE4M3 per 16)
@@ -133,6 +132,7 @@ struct Params {
   float activation_clamp;  // < 0: none
   bool fast_math;
   bool wide_scale_copies;  // k % 256 == 0 and weights_sf 16-byte aligned: one copy per scale row and stage
+  bool scale_tma;          // the TMA thread loads each stage's weight scales (tmap_weights_sf; heuristics::fp4_scale_tma)
   bool narrow_mma;         // BF16 path: wgmmas only as wide as the tile's rows (heuristics::fp4_narrow_mma)
   // FP8-wgmma path, FP8 tokens: they arrive folded (L1: launch_gather's fold; L2: L1's epilogue, fold_output): E4M3
   // rows in the tile's order, float factors [k / 128, pool_rows] at acts_sf, so the consumers multiply the token tile
@@ -147,7 +147,7 @@ struct Params {
   float* partials;      // [split_round units][kSlices * kRegs][consumer threads]: each split unit's accumulators
   int* split_counters;  // [split_round / 2]: a split tile's units that have finished; zero at launch (gather zeroes it)
   // FP8-wgmma path: [E * n] each weight row's largest UE8M0 scale over the whole K (transform_weights), the exponent its
-  // weights are folded relative to. A unit's first stage carries its rows' bytes in the scale tile (kRowExpBytes).
+  // weights are folded relative to. A unit's first stage carries its rows' bytes (Smem::kRowExpOffset).
   const uint8_t* weights_row_exp;
   // L1 reading MXFP4 tokens folded upstream (kOutFP4) with fold_output: L2's input, folded as the gather folds L1's,
   // E4M3 rows [pool rows, n / 2] and float factors [n / 256, pool_rows] (the caller's workspace; the E2M1 pool is not
@@ -220,6 +220,11 @@ struct Smem {
   static constexpr int kTileSW = kTileN * kScaleWordsBytes;
   static constexpr int kSARow = kCols + 4;  // bytes per token-scale row (4-byte aligned window)
   static constexpr int kTileSA = heuristics::fp4_act_sf_bytes(kCols, kActFP4);
+  // The rows' exponents (FP8-wgmma path) in the token-scale tile's last kTileN bytes, past its (kActFP4 ? 16 : 8) rows of
+  // kSARow bytes (or the folded tokens' two rows of float factors): apart from the weight scale tile, which the TMA
+  // writes whole.
+  static constexpr int kRowExpOffset = kTileSA - kTileN;
+  static_assert((kActFP4 ? 16 : 8) * kSARow <= kRowExpOffset, "the row exponents fit past the token scales");
   static constexpr int kStage = kTileA + kTileB + kTileSW + kTileSA;
   static_assert(kStage == heuristics::fp4_stage_bytes(kBlockM, kCols, kActFP4), "stage bytes as the heuristics count");
   static constexpr int kTileBF = heuristics::fp4_bf_tile_bytes(kBlockM, kCols);  // one bf16 token tile
@@ -460,7 +465,8 @@ template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe, 
 __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     sm90_fp4_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
                                  const __grid_constant__ CUtensorMap tmap_acts,
-                                 const __grid_constant__ CUtensorMap tmap_acts_tail, Params p) {
+                                 const __grid_constant__ CUtensorMap tmap_acts_tail,
+                                 const __grid_constant__ CUtensorMap tmap_weights_sf, Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
   static_assert(!kOutFP4 || (kIsL1 && kFP8Mma && kRecipe == ActRecipe::kFP8UE8M0Block32 && !kWideTail),
@@ -491,7 +497,6 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   constexpr int kABlk = kRecipe == ActRecipe::kNVFP4 ? 16 : 32;   // token scale block (K)
   constexpr int kABlocks = kBlockK / kABlk;                       // token scale rows per stage
   constexpr int kWWords = kBlockK / kWBlk / 4;                    // weight scale words per row per stage
-  static_assert(!kFP8Mma || kWWords * 4 <= kRowExpBytes, "the row exponents follow the MXFP4 scale bytes of a row");
   static_assert(kBlockM % 16 == 0 && (kBlockM <= 64 || kFoldedOnly), "token block must be 16, 32, 64 or 128");
   static_assert(kCols % 8 == 0 && kCols <= 128, "tile columns");
   static_assert(!kFP8Mma || !kNV, "the FP8-wgmma path is for MXFP4 weights (NVFP4 scales are not powers of two)");
@@ -530,6 +535,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   auto tile_b = [&](int s) { return stages + s * S::kStage + S::kTileA; };
   auto tile_sw = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB; };
   auto tile_sa = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB + S::kTileSW; };
+  auto tile_row_exp = [&](int s) { return tile_sa(s) + S::kRowExpOffset; };
 
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
@@ -586,6 +592,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         ptx::prefetch_tensormap(&tmap_weights);
         ptx::prefetch_tensormap(&tmap_acts);
         if constexpr (kTail > 0) ptx::prefetch_tensormap(&tmap_acts_tail);
+        if (p.scale_tma) ptx::prefetch_tensormap(&tmap_weights_sf);
       }
       int stage = 0;
       uint32_t phase = 0;
@@ -605,7 +612,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       // A wide tile (rows > block_m: an expert's last block with tail rows) loads kTail more token rows.
       auto stage_bytes = [&](int kb, int rows) {
         const int cols = kTail > 0 && rows > kBlockM ? kCols : kBlockM;
-        uint32_t bytes = S::kTileA;
+        uint32_t bytes = S::kTileA + (p.scale_tma ? S::kTileSW : 0);
         if constexpr (kActFP4) bytes += cols * 128;
         else bytes += ((kb + 1) * kBlockK <= p.k ? 2 : 1) * cols * 128;
         return bytes;
@@ -620,6 +627,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             ptx::mbarrier_arrive_expect_tx(&full[i], stage_bytes(kb, first.rows));
             ptx::tma_load_2d(tile_a(i), &tmap_weights, &full[i], kb * (kBlockK / 2), first.expert * p.n + first.n_block * kTileN);
           }
+          if (p.scale_tma)
+            for (int i = 0; i < early; ++i)
+              ptx::tma_load_2d(tile_sw(i), &tmap_weights_sf, &full[i], (first_unit.kb_begin + i) * (kBlockK / kWBlk),
+                               first.expert * p.n + first.n_block * kTileN);
 #ifdef MEGAMOE_TILE_TRACE
           if (trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
 #endif
@@ -640,6 +651,8 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             if (kb == u.kb_begin) tile_infos[stage] = t;
             ptx::mbarrier_arrive_expect_tx(&full[stage], stage_bytes(kb, t.rows));
             ptx::tma_load_2d(tile_a(stage), &tmap_weights, &full[stage], kb * (kBlockK / 2), weight_row);
+            if (p.scale_tma)
+              ptx::tma_load_2d(tile_sw(stage), &tmap_weights_sf, &full[stage], kb * (kBlockK / kWBlk), weight_row);
 #ifdef MEGAMOE_TILE_TRACE
             if (kb == u.kb_begin && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
 #endif
@@ -687,7 +700,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       const int act_blocks = p.k / kABlk;
       const int64_t pool_rows = l.pool_rows;  // a multiple of 128: every window word is 4-byte aligned
       const int64_t total_rows = int64_t(num_experts) * p.n;
-      auto copy_weight_scales = [&](const TileInfo& t, int kb, uint8_t* dst, bool unit_start) {
+      auto copy_weight_scales = [&](const TileInfo& t, int kb, int stage, bool unit_start) {
         const int64_t weight_row = int64_t(t.expert) * p.n + t.n_block * kTileN;
         if constexpr (kFP8Mma) {
           // The rows' exponents with the unit's first stage (n is a multiple of 128: 4 rows never straddle an expert).
@@ -695,9 +708,11 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #pragma unroll 1
             for (int m = lane; m < kTileN / 4; m += 32)
               if (weight_row + 4 * m < total_rows)
-                ptx::cp_async_4(dst + 4 * m * kScaleWordsBytes + kRowExpBytes, p.weights_row_exp + weight_row + 4 * m);
+                ptx::cp_async_4(tile_row_exp(stage) + 4 * m, p.weights_row_exp + weight_row + 4 * m);
           }
         }
+        if (p.scale_tma) return;  // the TMA thread's (with the weight tile)
+        uint8_t* dst = tile_sw(stage);
         if (p.wide_scale_copies && (kb + 1) * kBlockK <= p.k) {
           // One 8-byte (MXFP4) or 16-byte (NVFP4) copy per row: a quarter of the 4-byte copies, whose
           // count made this warp the limiter for NVFP4 (1,024 per stage).
@@ -722,7 +737,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
       // The first tile's early stages: weight scales before the grid dependency wait, as the TMA warp's weights.
       const TileInfo first = early > 0 ? decode_tile_warp(first_unit.tile, tile_offset, expert_offset, num_experts,
                                                           num_nblocks, kBlockM) : TileInfo{};
-      for (int i = 0; i < early; ++i) copy_weight_scales(first, first_unit.kb_begin + i, tile_sw(i), i == 0);
+      for (int i = 0; i < early; ++i) copy_weight_scales(first, first_unit.kb_begin + i, i, i == 0);
       // The token scales come from the grid before this one (gather, or L1 for L2): wait for it as the
       // TMA thread does (without this wait L2's scales raced with L1's epilogue and runs differed).
       ptx::grid_dependency_wait();
@@ -735,7 +750,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         for (int kb = u.kb_begin; kb < u.kb_end; ++kb) {
           if (!is_first || kb - u.kb_begin >= early) {
             ptx::mbarrier_wait(&empty[stage], phase ^ 1);
-            copy_weight_scales(t, kb, tile_sw(stage), kb == u.kb_begin);
+            copy_weight_scales(t, kb, stage, kb == u.kb_begin);
           }
           uint8_t* dst_a = tile_sa(stage);
           if (folded) {
@@ -1001,7 +1016,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const int row = (kSlices * consumer + ls) * 64 + quad_row + 8 * h;
-              row_exp[ls][h] = tile_sw(stage)[(row & ~3) * kScaleWordsBytes + kRowExpBytes + (row & 3)];
+              row_exp[ls][h] = tile_row_exp(stage)[row];
             }
         }
         if constexpr (kEarlyInSmem) {
@@ -1585,7 +1600,7 @@ void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cu
       sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe, kFP8Mma, kSplitK, kWideTail, kOutFP4>;
   allow_dynamic_smem<kernel>(kBytes);
   launch_pdl(kernel, dim3(num_sms), dim3(Roles<kBlockM>::kThreads), kBytes, stream, a.tmap_weights, a.tmap_acts,
-             a.tmap_acts_tail, p);
+             a.tmap_acts_tail, a.tmap_weights_sf, p);
 #ifdef MEGAMOE_TILE_TRACE
   fp4_trace_print_kernel<<<1, 1, 0, stream>>>(kIsL1 ? 0 : 1, num_sms);  // after the GEMM (stream order)
 #endif
