@@ -25,9 +25,9 @@ FP4 kernel (docs/perf-notes.md: its decode tiles run at 1.2-1.3x the weight-byte
   fp4-no-decode      the consumers' E2M1 bit placement becomes one XOR per register (BF16 path: mask, IMAD, mask per
                      bf16 pair; FP8-wgmma path: the PRMT table lookups and sign spreading); the scale multiply stays
   fp4-no-weight-tma  no weight tile (its bytes leave the stage's expect_tx; scales still copied)
-  fp4-no-weight-scales  no per-stage weight-scale copies where one copy per row and stage is taken (k a multiple of 256:
-                     the V4 shapes; the lanes still arrive): do the ~256 8- or 16-byte cp.async per stage bound the
-                     decode stream (ncu 2026-11-27: ~6.8 us per stage round trip at V4-Flash T=1)?
+  fp4-no-weight-scales  no per-stage weight-scale copies (the scale warp's, where one copy per row and stage is taken: k
+                     a multiple of 256, the V4 shapes, the lanes still arrive; and the TMA thread's scale boxes): what
+                     do the weight scales cost the decode stream (2026-11-27: 4-9 % of the time at T = 1-128)?
   fp4-no-promote     FP8-wgmma path: each 128-K group's partial is added to the accumulator unscaled (no factor
                      loads, no products)
   fp4-no-mma         no wgmma: each decoded A fragment is folded into the accumulator by XORs and one add (keeps the
@@ -115,7 +115,7 @@ PATCHES = {
          " \"l\"(src) : \"memory\");"),
     ],
     "fp4-no-convert": [
-        ("          for (int u = ctid; u < (folded ? 0 : units); u += R::kConverterWarps * 32) {",
+        ("          for (int u = ctid; u < units; u += R::kConverterWarps * 32) {",
          "          for (int u = ctid; false && u < units; u += R::kConverterWarps * 32) {"),
     ],
     "fp4-half-convert": [
@@ -131,7 +131,8 @@ PATCHES = {
          "    a8[s][1] = wb[s] ^ tb.x, a8[s][3] = (wb[s] << 4) ^ tb.y;"),
     ],
     "fp4-no-weight-tma": [
-        ("        uint32_t bytes = S::kTileA;", "        uint32_t bytes = 0 * S::kTileA;"),
+        ("        uint32_t bytes = S::kTileA + (p.scale_tma ? S::kTileSW : 0);",
+         "        uint32_t bytes = 0 * S::kTileA + (p.scale_tma ? S::kTileSW : 0);"),
         ("            ptx::tma_load_2d(tile_a(i), &tmap_weights,", "            if (false) ptx::tma_load_2d(tile_a(i), &tmap_weights,"),
         ("            ptx::tma_load_2d(tile_a(stage), &tmap_weights,",
          "            if (false) ptx::tma_load_2d(tile_a(stage), &tmap_weights,"),
@@ -139,6 +140,12 @@ PATCHES = {
     "fp4-no-weight-scales": [
         ("          for (int r = lane; r < kTileN; r += 32) {\n            if (weight_row + r >= total_rows) break;",
          "          for (int r = lane; false && r < kTileN; r += 32) {\n            if (weight_row + r >= total_rows) break;"),
+        # and the TMA copies (MXFP4's default): their bytes leave the stages' expect_tx
+        ("        uint32_t bytes = S::kTileA + (p.scale_tma ? S::kTileSW : 0);", "        uint32_t bytes = S::kTileA;"),
+        ("          if (p.scale_tma)\n            for (int i = 0; i < early; ++i)",
+         "          if (false)\n            for (int i = 0; i < early; ++i)"),
+        ("            if (p.scale_tma)\n              ptx::tma_load_2d(tile_sw(stage)",
+         "            if (false)\n              ptx::tma_load_2d(tile_sw(stage)"),
     ],
     # FP8-wgmma path: each group's partial is added unscaled (no factor loads, no products): what the promotion costs.
     "fp4-no-promote": [

@@ -527,7 +527,7 @@ def switch_keeps_bits(case, monkeypatch, var):
 @pytest.mark.parametrize("block_m", ["16", "16-split", "64", "128"])
 @pytest.mark.parametrize("hidden,inter", [(1024, 512), (640, 512), (1536, 384)])
 def test_scale_tma_keeps_bits(weight_format, act_format, block_m, hidden, inter, monkeypatch):
-    """The weight scales by one TMA copy per stage (MEGAMOE_FP4_SCALE_TMA=1, the default where the scale rows are
+    """The weight scales by one TMA copy per stage (MEGAMOE_FP4_SCALE_TMA=1; MXFP4's default where the scale rows are
     16-byte multiples) give the bits of the scale warp's per-row copies (=0), every GEMM output poisoned: block_m 16
     (also with split K of the last round), 64 and 128 (MXFP4 w4a8), experts of 1-130 rows and one empty. Shapes:
     both GEMMs by TMA (1024 x 512); L2 by TMA with its last weight tile past the last expert's rows (n = hidden =

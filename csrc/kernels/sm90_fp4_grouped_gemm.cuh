@@ -116,8 +116,8 @@ struct Roles {
   // The converters' thread index: producer warps 2-3 first (64 threads), then the converter warpgroup's 128.
   static_assert(kConverterWarps * 32 == 64 + (kConverterGroup >= 0 ? 128 : 0), "converter thread mapping");
 };
-// Weight scale bytes per row per stage in shared memory: NVFP4's 16; MXFP4 reads the first 8 (by TMA the other 8 are the
-// next stage's scales, or zeros past k).
+// Weight scale bytes per row per stage in shared memory: NVFP4's 16 (one stage's); MXFP4's 8 per stage at byte 8 x (kb %
+// 2) (a TMA box starts at a 16-byte multiple of the row, so it brings stages 2j and 2j + 1; zeros past k).
 constexpr int kScaleWordsBytes = 16;
 
 struct Params {
@@ -536,6 +536,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   auto tile_sw = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB; };
   auto tile_sa = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB + S::kTileSW; };
   auto tile_row_exp = [&](int s) { return tile_sa(s) + S::kRowExpOffset; };
+  // Stage kb's weight scales in its scale tile (kScaleWordsBytes), and the scale column its TMA box starts at (a box's
+  // start in global memory must be 16-byte aligned).
+  auto stage_scales = [&](int s, int kb) { return tile_sw(s) + (kb * (kBlockK / kWBlk)) % kScaleWordsBytes; };
+  auto scale_box_col = [&](int kb) { return kb * (kBlockK / kWBlk) / kScaleWordsBytes * kScaleWordsBytes; };
 
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
@@ -629,7 +633,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           }
           if (p.scale_tma)
             for (int i = 0; i < early; ++i)
-              ptx::tma_load_2d(tile_sw(i), &tmap_weights_sf, &full[i], (first_unit.kb_begin + i) * (kBlockK / kWBlk),
+              ptx::tma_load_2d(tile_sw(i), &tmap_weights_sf, &full[i], scale_box_col(first_unit.kb_begin + i),
                                first.expert * p.n + first.n_block * kTileN);
 #ifdef MEGAMOE_TILE_TRACE
           if (trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
@@ -652,7 +656,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             ptx::mbarrier_arrive_expect_tx(&full[stage], stage_bytes(kb, t.rows));
             ptx::tma_load_2d(tile_a(stage), &tmap_weights, &full[stage], kb * (kBlockK / 2), weight_row);
             if (p.scale_tma)
-              ptx::tma_load_2d(tile_sw(stage), &tmap_weights_sf, &full[stage], kb * (kBlockK / kWBlk), weight_row);
+              ptx::tma_load_2d(tile_sw(stage), &tmap_weights_sf, &full[stage], scale_box_col(kb), weight_row);
 #ifdef MEGAMOE_TILE_TRACE
             if (kb == u.kb_begin && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
 #endif
@@ -712,7 +716,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           }
         }
         if (p.scale_tma) return;  // the TMA thread's (with the weight tile)
-        uint8_t* dst = tile_sw(stage);
+        uint8_t* dst = stage_scales(stage, kb);
         if (p.wide_scale_copies && (kb + 1) * kBlockK <= p.k) {
           // One 8-byte (MXFP4) or 16-byte (NVFP4) copy per row: a quarter of the 4-byte copies, whose
           // count made this warp the limiter for NVFP4 (1,024 per stage).
@@ -1057,7 +1061,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
           }
           uint32_t a8[4][4];  // k32 step s: word s of the 16 bytes (K 32q + 8s .. + 7)
-          decode_weights_e4m3(a8, tile_a(stage), tile_sw(stage), fold_tables, (kSlices * consumer + ls) * 64 + quad_row,
+          decode_weights_e4m3(a8, tile_a(stage), stage_scales(stage, kb), fold_tables, (kSlices * consumer + ls) * 64 + quad_row,
                               g, q, row_exp[ls][0], row_exp[ls][1]);
           // Folded tokens: the stage's own token tile and factors; else the converters' E4M3 tile and factors.
           const float* factors =
@@ -1133,7 +1137,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           __syncwarp();
           if (lane == 0) ptx::mbarrier_arrive(&bf_empty[prev_b]);
         }
-        decode_weights<kNV>(a, tile_a(stage), tile_sw(stage), (kSlices * consumer + ls) * 64 + quad_row, g, q);
+        decode_weights<kNV>(a, tile_a(stage), stage_scales(stage, kb), (kSlices * consumer + ls) * 64 + quad_row, g, q);
         uint64_t desc_b[8];
 #pragma unroll
         for (int s = 0; s < 8; ++s) {

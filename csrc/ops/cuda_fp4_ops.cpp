@@ -138,7 +138,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   auto set_scale_map = [&](kernels::Fp4GroupedGemmArgs& g, const at::Tensor& sf, int64_t rows, int64_t k,
                            uint32_t tile_n) {
     const int64_t row_bytes = k / scale_blk;
-    g.scale_tma = heuristics::fp4_scale_tma(row_bytes, sf.data_ptr());
+    g.scale_tma = heuristics::fp4_scale_tma(format == WeightFormat::kNVFP4, row_bytes, sf.data_ptr());
     if (g.scale_tma)
       g.tmap_weights_sf = kernels::make_tensor_map_2d(sf.data_ptr(), row_bytes, rows, row_bytes, 16, tile_n, false);
   };
