@@ -527,12 +527,12 @@ def switch_keeps_bits(case, monkeypatch, var):
 @pytest.mark.parametrize("block_m", ["16", "16-split", "64", "128"])
 @pytest.mark.parametrize("hidden,inter", [(1024, 512), (640, 512), (1536, 384)])
 def test_scale_tma_keeps_bits(weight_format, act_format, block_m, hidden, inter, monkeypatch):
-    """The weight scales by one TMA copy per stage (MEGAMOE_FP4_SCALE_TMA=1; MXFP4's default where the scale rows are
-    16-byte multiples) give the bits of the scale warp's per-row copies (=0), every GEMM output poisoned: block_m 16
-    (also with split K of the last round), 64 and 128 (MXFP4 w4a8), experts of 1-130 rows and one empty. Shapes:
-    both GEMMs by TMA (1024 x 512); L2 by TMA with its last weight tile past the last expert's rows (n = hidden =
-    640: the copy's rows past the matrix land as zeros) while L1 (K = 640) copies per row; L1 by TMA, L2 per row
-    (K = 384)."""
+    """The weight scales as scale tiles by one bulk copy per stage (MEGAMOE_FP4_SCALE_TMA=1, the default where
+    transform_weights writes scale tiles) give the bits of the scale warp's cp.async from the same tiles (=0), every
+    GEMM output poisoned: block_m 16 (also with split K of the last round), 64 and 128 (MXFP4 w4a8: 128-row tiles,
+    half a scale tile), experts of 1-130 rows and one empty. Shapes: both GEMMs' scales as tiles (1024 x 512); none
+    (640 x 512: K / 32 = 20 bytes, n = 640 not a multiple of 256; the switch changes nothing there, a control); L1's
+    only (1536 x 384). Against the reference as well (the tiles' addressing wrong would fail it)."""
     if block_m == "128" and (weight_format, act_format) != ("mxfp4", "fp8"):
         pytest.skip("block_m 128 is the MXFP4 w4a8 (folded tokens) build")
     rows = [1, 8, 17, 33, 64, 65, 100, 0, 12, 130]
