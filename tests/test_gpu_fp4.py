@@ -540,7 +540,15 @@ def test_scale_tma_keeps_bits(weight_format, act_format, block_m, hidden, inter,
                           routing_seed=702 + hidden)
     case.ref = case.reference()
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", block_m.split("-")[0])
-    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "2" if block_m.endswith("split") else "0")
+    split_round = 0
+    if block_m.endswith("split"):
+        # One tile past a round (the Python mirror of the plan): L1's last tile splits into K units that start at odd
+        # stages too (a scale tile's second half).
+        tiles = fp4_split_plans(case, len(rows), hidden, inter, 16, 2)[0][0]
+        split_round = min(tiles - 1, torch.cuda.get_device_properties(0).multi_processor_count)
+        plans = fp4_split_plans(case, len(rows), hidden, inter, 16, split_round)
+        assert plans[0][1] > 1, plans
+    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", str(split_round))
     y = switch_keeps_bits(case, monkeypatch, "MEGAMOE_FP4_SCALE_TMA")
     assert rel_err(y, case.ref) <= 5e-2
 
@@ -857,6 +865,24 @@ def test_deepseek_v4_shapes(model_layer, act_format, num_tokens):
     ref = reference.mega_moe(x[sample], idx[sample], w[sample], w13, w2, weight_format=weight_format,
                              act_format=act_format, w13_sf=sf13, w2_sf=sf2, w13_global_sf=g13, w2_global_sf=g2)
     assert rel_err(y[sample], ref) <= TOL, name
+
+
+@pytest.mark.parametrize("weight_format", ["mxfp4", "nvfp4"])
+def test_scale_tiles_misaligned_are_refused(weight_format):
+    """Scale tiles go to shared memory in 16-byte pieces: tiled FP4 scales (hidden 1024: K / blk a multiple of 16)
+    whose data pointer is off 16-byte alignment (a sliced tensor; transform_weights never returns one) are refused
+    naming the argument, before any launch (y keeps its poison)."""
+    case = make_case(4, 1024, 256, 2, 8, weight_format, "fp8", device="cuda", seed=9, with_ref=False)
+    w, sf, g = case.l1
+    raw = sf.view(torch.uint8)
+    shifted = torch.empty(raw.numel() + 8, dtype=torch.uint8, device="cuda")[8:].view(raw.shape)
+    shifted.copy_(raw)
+    megamoe.pre_dispatch(case.x, case.topk_idx, case.topk_weights, case.buffer, weight_format=weight_format)
+    y = torch.full_like(case.x, float("nan"))
+    with pytest.raises(ValueError, match=r"l1_weights_sf: expected a data pointer aligned to 16 bytes.*offset of 8"):
+        megamoe.fp8_fp4_mega_moe(y, (w, shifted.view(sf.dtype), g), case.l2, case.buffer, weight_format=weight_format)
+    torch.cuda.synchronize()
+    assert y.isnan().all()
 
 
 def test_mxfp4_row_exponents_misaligned_is_refused():

@@ -312,8 +312,9 @@ def test_transform_weights_fp4_scale_tiles(weight_format):
     """FP4 scales where N % 256 == 0 and K / blk % 16 == 0 (every V4 shape) come out as scale tiles: per expert, the
     16 bytes of K at column group j of rows [256 i, 256 i + 256) are 4 KB in one piece at ((i * C / 16) + j) * 4096,
     row r of the tile at 16 r (formats.hpp); checked byte by byte against that address for every scale of a layer
-    with one tiled and one row-order GEMM (MXFP4 L2: K / 32 = 8 bytes), and the row exponents stay per row."""
-    e, h, i = 2, 512, 256
+    with one tiled and one row-order GEMM (MXFP4 L2: K / 32 = 8 bytes; L1: two 16-byte column groups), and the row
+    exponents stay per row."""
+    e, h, i = 2, 1024, 256
     lay = random_layer(e, h, i, weight_format)
     for name, gsf, n, k, is_l1 in (("w13", "w13_global_sf", 2 * i, h, True), ("w2", "w2_global_sf", h, i, False)):
         w, sf = lay[name], lay[name + "_sf"]
