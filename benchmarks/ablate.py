@@ -144,8 +144,10 @@ PATCHES = {
         ("        uint32_t bytes = S::kTileA + (p.scale_tma ? S::kTileSW : 0);", "        uint32_t bytes = S::kTileA;"),
         ("          if (p.scale_tma)\n            for (int i = 0; i < early; ++i)",
          "          if (false)\n            for (int i = 0; i < early; ++i)"),
-        ("            if (p.scale_tma)\n              ptx::tma_load_2d(tile_sw(stage)",
-         "            if (false)\n              ptx::tma_load_2d(tile_sw(stage)"),
+        ("            if (p.scale_tma)\n              ptx::bulk_load(tile_sw(stage)",
+         "            if (false)\n              ptx::bulk_load(tile_sw(stage)"),
+        ("          for (int r = lane; r < kTileN; r += 32) {\n            if constexpr (kWWords == 4) ptx::cp_async_16(dst",
+         "          for (int r = lane; false && r < kTileN; r += 32) {\n            if constexpr (kWWords == 4) ptx::cp_async_16(dst"),
     ],
     # FP8-wgmma path: each group's partial is added unscaled (no factor loads, no products): what the promotion costs.
     "fp4-no-promote": [

@@ -527,12 +527,12 @@ def switch_keeps_bits(case, monkeypatch, var):
 @pytest.mark.parametrize("block_m", ["16", "16-split", "64", "128"])
 @pytest.mark.parametrize("hidden,inter", [(1024, 512), (640, 512), (1536, 384)])
 def test_scale_tma_keeps_bits(weight_format, act_format, block_m, hidden, inter, monkeypatch):
-    """The weight scales by one TMA copy per stage (MEGAMOE_FP4_SCALE_TMA=1; MXFP4's default where the scale rows are
-    16-byte multiples) give the bits of the scale warp's per-row copies (=0), every GEMM output poisoned: block_m 16
-    (also with split K of the last round), 64 and 128 (MXFP4 w4a8), experts of 1-130 rows and one empty. Shapes:
-    both GEMMs by TMA (1024 x 512); L2 by TMA with its last weight tile past the last expert's rows (n = hidden =
-    640: the copy's rows past the matrix land as zeros) while L1 (K = 640) copies per row; L1 by TMA, L2 per row
-    (K = 384)."""
+    """The weight scales as scale tiles by one bulk copy per stage (MEGAMOE_FP4_SCALE_TMA=1, the default where
+    transform_weights writes scale tiles) give the bits of the scale warp's cp.async from the same tiles (=0), every
+    GEMM output poisoned: block_m 16 (also with split K of the last round), 64 and 128 (MXFP4 w4a8: 128-row tiles,
+    half a scale tile), experts of 1-130 rows and one empty. Shapes: both GEMMs' scales as tiles (1024 x 512); none
+    (640 x 512: K / 32 = 20 bytes, n = 640 not a multiple of 256; the switch changes nothing there, a control); L1's
+    only (1536 x 384). Against the reference as well (the tiles' addressing wrong would fail it)."""
     if block_m == "128" and (weight_format, act_format) != ("mxfp4", "fp8"):
         pytest.skip("block_m 128 is the MXFP4 w4a8 (folded tokens) build")
     rows = [1, 8, 17, 33, 64, 65, 100, 0, 12, 130]
@@ -540,7 +540,15 @@ def test_scale_tma_keeps_bits(weight_format, act_format, block_m, hidden, inter,
                           routing_seed=702 + hidden)
     case.ref = case.reference()
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", block_m.split("-")[0])
-    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "2" if block_m.endswith("split") else "0")
+    split_round = 0
+    if block_m.endswith("split"):
+        # One tile past a round (the Python mirror of the plan): L1's last tile splits into K units that start at odd
+        # stages too (a scale tile's second half).
+        tiles = fp4_split_plans(case, len(rows), hidden, inter, 16, 2)[0][0]
+        split_round = min(tiles - 1, torch.cuda.get_device_properties(0).multi_processor_count)
+        plans = fp4_split_plans(case, len(rows), hidden, inter, 16, split_round)
+        assert plans[0][1] > 1, plans
+    monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", str(split_round))
     y = switch_keeps_bits(case, monkeypatch, "MEGAMOE_FP4_SCALE_TMA")
     assert rel_err(y, case.ref) <= 5e-2
 
@@ -857,6 +865,24 @@ def test_deepseek_v4_shapes(model_layer, act_format, num_tokens):
     ref = reference.mega_moe(x[sample], idx[sample], w[sample], w13, w2, weight_format=weight_format,
                              act_format=act_format, w13_sf=sf13, w2_sf=sf2, w13_global_sf=g13, w2_global_sf=g2)
     assert rel_err(y[sample], ref) <= TOL, name
+
+
+@pytest.mark.parametrize("weight_format", ["mxfp4", "nvfp4"])
+def test_scale_tiles_misaligned_are_refused(weight_format):
+    """Scale tiles go to shared memory in 16-byte pieces: tiled FP4 scales (hidden 1024: K / blk a multiple of 16)
+    whose data pointer is off 16-byte alignment (a sliced tensor; transform_weights never returns one) are refused
+    naming the argument, before any launch (y keeps its poison)."""
+    case = make_case(4, 1024, 256, 2, 8, weight_format, "fp8", device="cuda", seed=9, with_ref=False)
+    w, sf, g = case.l1
+    raw = sf.view(torch.uint8)
+    shifted = torch.empty(raw.numel() + 8, dtype=torch.uint8, device="cuda")[8:].view(raw.shape)
+    shifted.copy_(raw)
+    megamoe.pre_dispatch(case.x, case.topk_idx, case.topk_weights, case.buffer, weight_format=weight_format)
+    y = torch.full_like(case.x, float("nan"))
+    with pytest.raises(ValueError, match=r"l1_weights_sf: expected a data pointer aligned to 16 bytes.*offset of 8"):
+        megamoe.fp8_fp4_mega_moe(y, (w, shifted.view(sf.dtype), g), case.l2, case.buffer, weight_format=weight_format)
+    torch.cuda.synchronize()
+    assert y.isnan().all()
 
 
 def test_mxfp4_row_exponents_misaligned_is_refused():

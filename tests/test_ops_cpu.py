@@ -218,6 +218,20 @@ def chunk_rows(t, j):
     return t[:, 64 * j:64 * (j + 1)]
 
 
+def scale_tiled(weight_format, n, k):
+    """Whether transform_weights writes FP4 scales as scale tiles (csrc/include/megamoe/formats.hpp)."""
+    blk = 16 if weight_format == "nvfp4" else 32
+    return weight_format != "fp8" and n % 256 == 0 and (k // blk) % 16 == 0
+
+
+def scales_by_row(sf, weight_format, k):
+    """Kernel-layout FP4 scales [E, N, C] back in row order: scale tiles [E, N / 256, C / 16, 256, 16] undone."""
+    e, n, c = sf.shape
+    if not scale_tiled(weight_format, n, k):
+        return sf
+    return sf.reshape(e, n // 256, c // 16, 256, 16).transpose(2, 3).reshape(e, n, c)
+
+
 def assert_interleaved(out, ckpt, inter, what):
     """out chunk 2j == gate rows [64j, 64j+64), chunk 2j+1 == up rows [I+64j, I+64j+64)."""
     assert out.shape == ckpt.shape, what
@@ -266,9 +280,9 @@ def test_transform_weights_l1_interleave(weight_format):
             assert torch.equal(osf[:, 2 * j], sf[:, (64 * j) // 128])
             assert torch.equal(osf[:, 2 * j + 1], sf[:, (I + 64 * j) // 128])
     else:
-        assert_interleaved(osf, sf, I, "weights_sf")
+        assert_interleaved(scales_by_row(osf, weight_format, H), sf, I, "weights_sf")
         assert osf.dtype == (torch.uint8 if weight_format == "mxfp4" else torch.float8_e4m3fn)
-    assert_third_tensor(og, osf, g, weight_format, "weights_global_sf")
+    assert_third_tensor(og, scales_by_row(osf, weight_format, H), g, weight_format, "weights_global_sf")
     assert_fresh((ow, osf, og), (w, sf, g))
     # Inputs untouched; writing to the outputs does not reach them.
     ow.view(torch.uint8).zero_()
@@ -288,9 +302,41 @@ def test_transform_weights_l2_keeps_row_order(weight_format):
         assert osf.shape == (E, H // 64, I // 128)
         assert torch.equal(osf, sf.repeat_interleave(2, dim=1))
     else:
-        assert_bitwise_equal(osf, sf, "w2_sf")
-    assert_third_tensor(og, osf, g, weight_format, "weights_global_sf")
+        assert_bitwise_equal(scales_by_row(osf, weight_format, I), sf, "w2_sf")
+    assert_third_tensor(og, scales_by_row(osf, weight_format, I), g, weight_format, "weights_global_sf")
     assert_fresh((ow, osf, og), (w, sf, g))
+
+
+@pytest.mark.parametrize("weight_format", ["mxfp4", "nvfp4"])
+def test_transform_weights_fp4_scale_tiles(weight_format):
+    """FP4 scales where N % 256 == 0 and K / blk % 16 == 0 (every V4 shape) come out as scale tiles: per expert, the
+    16 bytes of K at column group j of rows [256 i, 256 i + 256) are 4 KB in one piece at ((i * C / 16) + j) * 4096,
+    row r of the tile at 16 r (formats.hpp); checked byte by byte against that address for every scale of a layer
+    with one tiled and one row-order GEMM (MXFP4 L2: K / 32 = 8 bytes; L1: two 16-byte column groups), and the row
+    exponents stay per row."""
+    e, h, i = 2, 1024, 256
+    lay = random_layer(e, h, i, weight_format)
+    for name, gsf, n, k, is_l1 in (("w13", "w13_global_sf", 2 * i, h, True), ("w2", "w2_global_sf", h, i, False)):
+        w, sf = lay[name], lay[name + "_sf"]
+        ow, osf, og = megamoe.transform_weights(w, sf, lay[gsf], weight_format=weight_format, is_l1=is_l1)
+        c = osf.shape[2]
+        tiled = scale_tiled(weight_format, n, k)
+        assert tiled == (weight_format == "nvfp4" or is_l1), (name, c)
+        # the rows' order (interleaved for L1) from the untiled view; then every byte at its tile address
+        kernel_rows = scales_by_row(osf, weight_format, k)
+        if is_l1:
+            assert_interleaved(kernel_rows, sf, i, name + "_sf")
+        else:
+            assert_bitwise_equal(kernel_rows, sf, name + "_sf")
+        flat = as_bytes(osf).reshape(e, -1)
+        src = as_bytes(kernel_rows).reshape(e, -1)
+        r = torch.arange(n).view(n, 1).expand(n, c)
+        col = torch.arange(c).view(1, c).expand(n, c)
+        addr = ((r // 256) * (c // 16) + col // 16) * 4096 + (r % 256) * 16 + col % 16 if tiled else r * c + col
+        for x in range(e):
+            assert torch.equal(flat[x][addr.reshape(-1)], src[x].reshape(-1)), (name, x)
+        if weight_format == "mxfp4":
+            assert torch.equal(og, kernel_rows.amax(2)), name
 
 
 def test_transform_weights_scale_variants():

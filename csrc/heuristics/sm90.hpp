@@ -315,21 +315,17 @@ inline bool fp4_narrow_mma() {
   return env == nullptr || env[0] != '0';
 }
 
-// Weight block scales by TMA: each stage's fp4_tile_n rows x 16 bytes of the scale matrix as one tensor copy on the
-// weight tile's barrier (MXFP4: the box starts at a 16-byte multiple, so it holds two stages' 8 bytes), where the
-// matrix's rows are 16-byte multiples (k a multiple of 512 for MXFP4, 256 for NVFP4: every V4 shape) and its base
-// 16-byte aligned; else the scale warp's 8- / 16-byte (or 4-byte) cp.async per row. MXFP4 only by default.
+// Weight block scales by one bulk copy per stage (4 KB of a 256-row tile's scale tiles; formats.hpp), on the weight
+// tile's barrier, where the layout has scale tiles; else the scale warp's 8- / 16-byte cp.async per row.
 // NOTES: without any weight-scale copy (ablate.py fp4-no-weight-scales, wrong results) MXFP4 w4a8 ran 0.91-0.96 of the
-// time at T = 1-128, both models (H100, 2026-11-27, docs/bench/h100-2026-11-27g-ab-fp4-carveout-scales.json). By TMA
-// the copies kept the bits and, over the cp.async (two runs, in a graph, -ab-fp4-scale-tma*.json): MXFP4 T=2048 -3.5
-// to -5.5 %, V4-Flash T=1 -1 to -2.6 %, T = 16 / 128 within +-0.7 %; NVFP4 (its 16 bytes per stage, one box per
-// stage) -3 to +3.4 % with V4-Pro T=16 slower in both runs (+3.2 / +3.4 %), so NVFP4 keeps the cp.async.
-// MEGAMOE_FP4_SCALE_TMA=0 / 1 (read per call) forces the cp.async / the TMA where the rows allow it (tests compare the
-// two bitwise).
-inline bool fp4_scale_tma(bool nvfp4, int64_t row_bytes, const void* weights_sf) {
+// time at T = 1-128, both models (H100, 2026-11-27, docs/bench/h100-2026-11-27g-ab-fp4-carveout-scales.json). A TMA
+// box over the row-major scales (256 rows x 16 bytes) over the cp.async, in a graph (-ab-fp4-scale-tma*.json): MXFP4
+// T=2048 -3.5 to -5.5 %, V4-Flash T=1 -1 to -2.6 %, T = 16 / 128 within +-0.7 %; NVFP4 -3 to +3.4 %.
+// Scale tiles: not yet measured (candidate, wip/fp4-scale-tiles). MEGAMOE_FP4_SCALE_TMA=0 / 1 (read per call) forces
+// the cp.async / the bulk copy (tests compare the two bitwise).
+inline bool fp4_scale_tma() {
   const char* env = std::getenv("MEGAMOE_FP4_SCALE_TMA");
-  const bool on = env != nullptr && env[0] != '\0' ? env[0] != '0' : !nvfp4;
-  return on && row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(weights_sf) % 16 == 0;
+  return env == nullptr || env[0] != '0';
 }
 
 // ------------------------------------------------------------------------------------------------

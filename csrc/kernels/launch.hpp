@@ -58,21 +58,20 @@ void launch_fp8_grouped_gemms(const GroupedGemmArgs& l1, const GroupedGemmArgs& 
                               const layout::BufferLayout& layout, const GroupedGemmLaunch& how, int num_sms,
                               cudaStream_t stream);
 
-// 2D tensor map over a row-major byte matrix [outer, inner], boxes {box_inner, box_outer}, 128-byte swizzled (or
-// plain: rows of box_inner bytes, a multiple of 16, one after another); out-of-bounds elements land as zeros.
+// 2D tensor map over a row-major byte matrix [outer, inner], 128-byte swizzled boxes {box_inner, box_outer}.
 CUtensorMap make_tensor_map_2d(const void* base, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
-                               uint32_t box_inner, uint32_t box_outer, bool swizzle_128b = true);
+                               uint32_t box_inner, uint32_t box_outer);
 
 // Grouped FP4-weight GEMM (MXFP4 / NVFP4 weights decoded on chip to bf16; sm90_fp4_grouped_gemm.cuh).
 struct Fp4GroupedGemmArgs {
   CUtensorMap tmap_weights;        // packed E2M1 [E * n, k / 2] bytes, box {128, heuristics::fp4_tile_n}, 128B swizzle
   CUtensorMap tmap_acts;           // E4M3 [pool_rows, k] or packed E2M1 [pool_rows, k / 2], box {128, block_m}, 128B
   CUtensorMap tmap_acts_tail;      // the same, box {128, kFp4TailRows}: a wide last block's rows past block_m
-  // weights_sf as a byte matrix, box {16, fp4_tile_n}, no swizzle: a stage's scale tile (heuristics::fp4_scale_tma;
-  // not read where scale_tma is false).
-  CUtensorMap tmap_weights_sf;
-  bool scale_tma = false;
-  const uint8_t* weights_sf;       // [E * n, k / 32] UE8M0 (MXFP4) or [E * n, k / 16] UE4M3 (NVFP4)
+  // [E * n, k / 32] UE8M0 (MXFP4) or [E * n, k / 16] UE4M3 (NVFP4) bytes, as scale tiles where scale_tiles
+  // (formats.hpp: fp4_scale_tiles; 16-byte aligned, check_mega_moe), else row by row.
+  const uint8_t* weights_sf;
+  bool scale_tiles = false;
+  bool scale_tma = false;  // scale_tiles only: a stage's scales by one bulk copy (heuristics::fp4_scale_tma)
   const float* weights_global_sf;  // [E] (NVFP4) or nullptr
   const uint8_t* weights_row_exp;  // MXFP4: [E * n] each row's largest UE8M0 scale (transform_weights), else nullptr
   const uint8_t* acts_sf;          // token scales [k / blk, pool_rows] bytes (K-block-major)

@@ -27,6 +27,7 @@ void launch_fp4_grouped_gemm(const Fp4GroupedGemmArgs& args, uint8_t* buffer, co
   p.activation_clamp = args.activation_clamp;
   p.fast_math = args.fast_math;
   p.wide_scale_copies = args.k % 256 == 0 && reinterpret_cast<uintptr_t>(args.weights_sf) % 16 == 0;
+  p.scale_tiles = args.scale_tiles;
   p.scale_tma = args.scale_tma;
   p.narrow_mma = heuristics::fp4_narrow_mma();
   p.split_round = args.partials != nullptr ? args.split_round : 0;

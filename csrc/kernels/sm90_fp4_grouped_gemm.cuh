@@ -117,8 +117,8 @@ struct Roles {
   static_assert(kConverterWarps * 32 == 64 + (kConverterGroup >= 0 ? 128 : 0), "converter thread mapping");
 };
 // Weight scale bytes per row per stage in shared memory: NVFP4's 16 (one stage's); MXFP4's 8 per stage at byte 8 x (kb %
-// 2) (a TMA box starts at a 16-byte multiple of the row, so it brings stages 2j and 2j + 1; zeros past k).
-constexpr int kScaleWordsBytes = 16;
+// 2) (a bulk copy of a scale tile brings stages 2j and 2j + 1: formats.hpp).
+constexpr int kScaleWordsBytes = kScaleTileBytes;
 
 struct Params {
   const uint8_t* weights_sf;       // [E * n, k / wblk] (UE8M0 per 32 or UE4M3 per 16)
@@ -132,7 +132,8 @@ struct Params {
   float activation_clamp;  // < 0: none
   bool fast_math;
   bool wide_scale_copies;  // k % 256 == 0 and weights_sf 16-byte aligned: one copy per scale row and stage
-  bool scale_tma;          // the TMA thread loads each stage's weight scales (tmap_weights_sf; heuristics::fp4_scale_tma)
+  bool scale_tiles;        // weights_sf holds scale tiles (formats.hpp: fp4_scale_tiles; 16-byte aligned)
+  bool scale_tma;          // scale_tiles: the TMA thread bulk-copies each stage's (heuristics::fp4_scale_tma)
   bool narrow_mma;         // BF16 path: wgmmas only as wide as the tile's rows (heuristics::fp4_narrow_mma)
   // FP8-wgmma path, FP8 tokens: they arrive folded (L1: launch_gather's fold; L2: L1's epilogue, fold_output): E4M3
   // rows in the tile's order, float factors [k / 128, pool_rows] at acts_sf, so the consumers multiply the token tile
@@ -465,8 +466,7 @@ template <int kBlockM, int kNumStages, bool kIsL1, bool kNV, ActRecipe kRecipe, 
 __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
     sm90_fp4_grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmap_weights,
                                  const __grid_constant__ CUtensorMap tmap_acts,
-                                 const __grid_constant__ CUtensorMap tmap_acts_tail,
-                                 const __grid_constant__ CUtensorMap tmap_weights_sf, Params p) {
+                                 const __grid_constant__ CUtensorMap tmap_acts_tail, Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kActFP4 = kRecipe != ActRecipe::kFP8UE8M0Block32;
   static_assert(!kOutFP4 || (kIsL1 && kFP8Mma && kRecipe == ActRecipe::kFP8UE8M0Block32 && !kWideTail),
@@ -536,10 +536,18 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
   auto tile_sw = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB; };
   auto tile_sa = [&](int s) { return stages + s * S::kStage + S::kTileA + S::kTileB + S::kTileSW; };
   auto tile_row_exp = [&](int s) { return tile_sa(s) + S::kRowExpOffset; };
-  // Stage kb's weight scales in its scale tile (kScaleWordsBytes), and the scale column its TMA box starts at (a box's
-  // start in global memory must be 16-byte aligned).
+  // Stage kb's weight scales in its scale tile (kScaleWordsBytes).
   auto stage_scales = [&](int s, int kb) { return tile_sw(s) + (kb * (kBlockK / kWBlk)) % kScaleWordsBytes; };
-  auto scale_box_col = [&](int kb) { return kb * (kBlockK / kWBlk) / kScaleWordsBytes * kScaleWordsBytes; };
+  // Scale tiles (p.scale_tiles; formats.hpp: n % 256 == 0, so experts never share one): the first byte of the weight
+  // tile at `weight_row` (a multiple of kTileN) in the scale tiles of its rows' first 16 bytes of K; stage kb's are
+  // scale_tile_step(kb) bytes further, kTileN rows of kScaleTileBytes.
+  auto scale_tile_base = [&](int weight_row) {
+    return p.weights_sf + int64_t(weight_row / kScaleTileRows) * (p.k / kWBlk) * kScaleTileRows +
+           (weight_row % kScaleTileRows) * kScaleTileBytes;
+  };
+  auto scale_tile_step = [&](int kb) {
+    return kb * (kBlockK / kWBlk) / kScaleTileBytes * (kScaleTileRows * kScaleTileBytes);
+  };
 
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
@@ -596,7 +604,6 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         ptx::prefetch_tensormap(&tmap_weights);
         ptx::prefetch_tensormap(&tmap_acts);
         if constexpr (kTail > 0) ptx::prefetch_tensormap(&tmap_acts_tail);
-        if (p.scale_tma) ptx::prefetch_tensormap(&tmap_weights_sf);
       }
       int stage = 0;
       uint32_t phase = 0;
@@ -633,8 +640,10 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           }
           if (p.scale_tma)
             for (int i = 0; i < early; ++i)
-              ptx::tma_load_2d(tile_sw(i), &tmap_weights_sf, &full[i], scale_box_col(first_unit.kb_begin + i),
-                               first.expert * p.n + first.n_block * kTileN);
+              ptx::bulk_load(tile_sw(i),
+                             scale_tile_base(first.expert * p.n + first.n_block * kTileN) +
+                                 scale_tile_step(first_unit.kb_begin + i),
+                             S::kTileSW, &full[i]);
 #ifdef MEGAMOE_TILE_TRACE
           if (trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
 #endif
@@ -656,7 +665,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
             ptx::mbarrier_arrive_expect_tx(&full[stage], stage_bytes(kb, t.rows));
             ptx::tma_load_2d(tile_a(stage), &tmap_weights, &full[stage], kb * (kBlockK / 2), weight_row);
             if (p.scale_tma)
-              ptx::tma_load_2d(tile_sw(stage), &tmap_weights_sf, &full[stage], scale_box_col(kb), weight_row);
+              ptx::bulk_load(tile_sw(stage), scale_tile_base(weight_row) + scale_tile_step(kb), S::kTileSW, &full[stage]);
 #ifdef MEGAMOE_TILE_TRACE
             if (kb == u.kb_begin && trace_cur >= 0) trace_issue[trace_cur] = ptx::globaltimer_ns();
 #endif
@@ -717,7 +726,16 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
         }
         if (p.scale_tma) return;  // the TMA thread's (with the weight tile)
         uint8_t* dst = stage_scales(stage, kb);
-        if (p.wide_scale_copies && (kb + 1) * kBlockK <= p.k) {
+        if (p.scale_tiles) {
+          // Row r's bytes at r x kScaleTileBytes in the tile, at the stage's offset within them (as in shared memory).
+          const uint8_t* src =
+              scale_tile_base(int(weight_row)) + scale_tile_step(kb) + (kb * (kBlockK / kWBlk)) % kScaleTileBytes;
+#pragma unroll 1
+          for (int r = lane; r < kTileN; r += 32) {
+            if constexpr (kWWords == 4) ptx::cp_async_16(dst + r * kScaleWordsBytes, src + r * kScaleTileBytes);
+            else ptx::cp_async_8(dst + r * kScaleWordsBytes, src + r * kScaleTileBytes);
+          }
+        } else if (p.wide_scale_copies && (kb + 1) * kBlockK <= p.k) {
           // One 8-byte (MXFP4) or 16-byte (NVFP4) copy per row: a quarter of the 4-byte copies, whose
           // count made this warp the limiter for NVFP4 (1,024 per stage).
           const int col = kb * (kBlockK / kWBlk);
@@ -1604,7 +1622,7 @@ void launch_config(const Fp4GroupedGemmArgs& a, const Params& p, int num_sms, cu
       sm90_fp4_grouped_gemm_kernel<kBlockM, kStages, kIsL1, kNV, kRecipe, kFP8Mma, kSplitK, kWideTail, kOutFP4>;
   allow_dynamic_smem<kernel>(kBytes);
   launch_pdl(kernel, dim3(num_sms), dim3(Roles<kBlockM>::kThreads), kBytes, stream, a.tmap_weights, a.tmap_acts,
-             a.tmap_acts_tail, a.tmap_weights_sf, p);
+             a.tmap_acts_tail, p);
 #ifdef MEGAMOE_TILE_TRACE
   fp4_trace_print_kernel<<<1, 1, 0, stream>>>(kIsL1 ? 0 : 1, num_sms);  // after the GEMM (stream order)
 #endif

@@ -133,14 +133,10 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   auto row_exp_ptr = [&](const at::Tensor& g) -> const uint8_t* {
     return format == WeightFormat::kMXFP4 ? g.data_ptr<uint8_t>() : nullptr;
   };
-  // The weight scales [rows, k / blk] bytes by TMA, a stage's tile_n rows x 16 bytes (heuristics::fp4_scale_tma).
-  const int64_t scale_blk = format == WeightFormat::kNVFP4 ? 16 : 32;
-  auto set_scale_map = [&](kernels::Fp4GroupedGemmArgs& g, const at::Tensor& sf, int64_t rows, int64_t k,
-                           uint32_t tile_n) {
-    const int64_t row_bytes = k / scale_blk;
-    g.scale_tma = heuristics::fp4_scale_tma(format == WeightFormat::kNVFP4, row_bytes, sf.data_ptr());
-    if (g.scale_tma)
-      g.tmap_weights_sf = kernels::make_tensor_map_2d(sf.data_ptr(), row_bytes, rows, row_bytes, 16, tile_n, false);
+  // The weight scales' layout (scale tiles where the shape allows: formats.hpp) and how a stage's are copied.
+  auto set_scale_copies = [&](kernels::Fp4GroupedGemmArgs& g, int64_t n, int64_t k) {
+    g.scale_tiles = fp4_scale_tiles(format, n, k);
+    g.scale_tma = g.scale_tiles && heuristics::fp4_scale_tma();
   };
 
   // ---- L1: dispatch rows x w13 -> SwiGLU -> pool (FP8 / MXFP4 in the epilogue, NVFP4 through scratch)
@@ -153,7 +149,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
                                      : g1.tmap_acts;  // not read without tail rows
   g1.acts_sf = buf + l.dispatch_sf_offset;
   g1.weights_sf = static_cast<const uint8_t*>(l1_weights_sf.data_ptr());
-  set_scale_map(g1, l1_weights_sf, e * 2 * inter, h, tile_n);
+  set_scale_copies(g1, 2 * inter, h);
   g1.weights_global_sf = global_ptr(l1_weights_global_sf);
   g1.weights_row_exp = row_exp_ptr(l1_weights_global_sf);
   g1.acts_global_sf = nv_acts ? reinterpret_cast<const float*>(buf + l.dispatch_global_sf_offset) : nullptr;
@@ -203,7 +199,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
     g2.acts_sf = reinterpret_cast<const uint8_t*>(fold_factors.data_ptr<float>());
   }
   g2.weights_sf = static_cast<const uint8_t*>(l2_weights_sf.data_ptr());
-  set_scale_map(g2, l2_weights_sf, e * h, inter, tile_n);
+  set_scale_copies(g2, h, inter);
   g2.weights_global_sf = global_ptr(l2_weights_global_sf);
   g2.weights_row_exp = row_exp_ptr(l2_weights_global_sf);
   g2.acts_global_sf = nv_acts ? reinterpret_cast<const float*>(buf + l.pool_global_sf_offset) : nullptr;

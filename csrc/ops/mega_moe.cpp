@@ -43,6 +43,10 @@ void check_weights(const at::Tensor& w, const at::Tensor& sf, const at::Tensor& 
   }
   MEGAMOE_CHECK_CONTIGUOUS(sf, sf_name);
   MEGAMOE_CHECK_SAME_DEVICE(sf, sf_name, y, "y");
+  // Scale tiles go to shared memory in 16-byte pieces (bulk copies, 8- / 16-byte cp.async).
+  TORCH_CHECK_VALUE(!sf.is_cuda() || !fp4_scale_tiles(format, n, k) || reinterpret_cast<uintptr_t>(sf.data_ptr()) % 16 == 0,
+                    sf_name, ": expected a data pointer aligned to 16 bytes (FP4 scale tiles, as transform_weights "
+                    "allocates them), got an offset of ", reinterpret_cast<uintptr_t>(sf.data_ptr()) % 16, " bytes");
   // The third tensor: none for FP8 (the FP8 op has no argument), NVFP4's per-expert global scales, MXFP4's per-row
   // exponents (each row's largest UE8M0 scale: the FP8-wgmma path folds the row's weights relative to it).
   TORCH_CHECK_VALUE(format == WeightFormat::kFP8 || global_sf.defined(), global_name,
@@ -163,10 +167,10 @@ void mega_moe_cpu(at::Tensor& y, const at::Tensor& l1_weights, const at::Tensor&
     auto tok = pos.select(1, 0), slot = pos.select(1, 1);
     // Global scales: NVFP4 only (MXFP4's third tensor holds row exponents, which scale nothing).
     const bool nv = args.weight_format == WeightFormat::kNVFP4;
-    auto w1 = cpu::dequantize_weights(l1_weights[e], l1_weights_sf[e], nv ? l1_weights_global_sf[e] : at::Tensor(),
-                                      args.weight_format);
-    auto w2 = cpu::dequantize_weights(l2_weights[e], l2_weights_sf[e], nv ? l2_weights_global_sf[e] : at::Tensor(),
-                                      args.weight_format);
+    auto w1 = cpu::dequantize_weights(l1_weights[e], fp4_scales_by_row(l1_weights_sf[e], args.weight_format, h),
+                                      nv ? l1_weights_global_sf[e] : at::Tensor(), args.weight_format);
+    auto w2 = cpu::dequantize_weights(l2_weights[e], fp4_scales_by_row(l2_weights_sf[e], args.weight_format, inter),
+                                      nv ? l2_weights_global_sf[e] : at::Tensor(), args.weight_format);
     auto hid = at::matmul(x.index_select(0, tok), w1.t()).to(at::kBFloat16).to(at::kFloat);
     // Interleaved rows: chunk 2j = gate rows [64j, 64j+64), chunk 2j+1 = the matching up rows.
     auto chunks = hid.view({n, inter / 64, 2, 64});

@@ -54,6 +54,10 @@ PreDispatchArgs check_pre_dispatch(const at::Tensor& x, const at::Tensor& topk_i
                                    int64_t max_tokens_per_rank, int64_t top_k, int64_t intermediate,
                                    c10::string_view weight_format, c10::string_view act_format);
 
+// FP4 kernel-layout weight scales [..., N, K / blk] (formats.hpp, fp4_scale_tiles) in the rows' order: the scale
+// tiles undone where the layout has them, else `sf` itself.
+at::Tensor fp4_scales_by_row(const at::Tensor& sf, WeightFormat format, int64_t k);
+
 // Typed views into the buffer (host side; kernels use the raw offsets).
 at::Tensor buffer_view(const at::Tensor& buffer, int64_t offset, at::IntArrayRef sizes, at::ScalarType dtype);
 

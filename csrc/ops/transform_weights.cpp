@@ -17,7 +17,25 @@ at::Tensor interleave_gate_up(const at::Tensor& t, int64_t rows_per_chunk) {
   return t.reshape(split).transpose(1, 2).reshape(sizes).contiguous();
 }
 
+// [..., N, C] rows -> [..., N / 256, C / 16, 256, 16] scale tiles (forward) or back, same shape [..., N, C].
+at::Tensor permute_scale_tiles(const at::Tensor& sf, bool forward) {
+  auto sizes = sf.sizes().vec();
+  const int64_t n = sizes[sizes.size() - 2], c = sizes.back(), d = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> split(sizes.begin(), sizes.end() - 2);
+  if (forward) {
+    split.insert(split.end(), {n / kScaleTileRows, kScaleTileRows, c / kScaleTileBytes, kScaleTileBytes});
+  } else {
+    split.insert(split.end(), {n / kScaleTileRows, c / kScaleTileBytes, kScaleTileRows, kScaleTileBytes});
+  }
+  // Swap the two middle dimensions (rows within a tile, 16-byte column groups) either way.
+  return sf.reshape(split).transpose(d - 1, d).reshape(sizes).contiguous();
+}
+
 }  // namespace
+
+at::Tensor fp4_scales_by_row(const at::Tensor& sf, WeightFormat format, int64_t k) {
+  return fp4_scale_tiles(format, sf.size(-2), k) ? permute_scale_tiles(sf, false) : sf;
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> transform_weights(
     const at::Tensor& weights, const at::Tensor& weights_sf,
@@ -97,6 +115,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> transform_weights(
     case WeightFormat::kMXFP4: g = k > 0 ? sf.amax(2) : at::zeros({e, n}, sf.options()); break;
     case WeightFormat::kFP8: g = at::ones({e}, weights.options().dtype(at::kFloat)); break;
   }
+  // FP4 scales as scale tiles where the shape allows (formats.hpp; after the row exponents, which read rows).
+  if (fp4_scale_tiles(format, n, k)) sf = permute_scale_tiles(sf, true);
   // Fresh contiguous outputs: the op is pure and never aliases its inputs.
   return {w.clone(at::MemoryFormat::Contiguous), sf.clone(at::MemoryFormat::Contiguous),
           g.clone(at::MemoryFormat::Contiguous)};
