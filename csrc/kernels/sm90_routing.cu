@@ -120,26 +120,29 @@ __global__ void __launch_bounds__(kRoutingThreads) routing_kernel(uint8_t* buffe
   int* rank_tokens = cursor + num_experts;  // [num_ranks]
   int* rank_cache = rank_tokens + num_ranks;  // [num_ranks]: first cache entry of the rank's slots, -1: not cached
   int16_t* cache = reinterpret_cast<int16_t*>(rank_cache + num_ranks);  // [cached_slots]: local expert or -1
-  __shared__ bool peers_ok;
+  __shared__ bool peers_checked;
   __shared__ int warp_rows[32], warp_tiles[32], carry[2];
 
+  // One rank: no peer table to trust. With peers, thread 0's check reaches every thread through the barrier; each
+  // thread keeps it in a register (a shared flag read outside a barrier's order is a race even where the read is
+  // dead: racecheck reported the compiler's speculative load of it at one rank, 2026-11-27).
+  bool peers_ok = true;
   if (num_ranks > 1) {
     // A buffer whose peer table does not point at itself did not come from get_symm_buffer: no
     // address in that table is trusted. The call then routes nothing and says so in the error word.
     if (threadIdx.x == 0) {
-      peers_ok = peer_buffer(buffer, l, rank) == buffer;
-      if (!peers_ok) record_error(buffer, l, layout::kErrorPeerPointers, rank, -1, -1);
+      peers_checked = peer_buffer(buffer, l, rank) == buffer;
+      if (!peers_checked) record_error(buffer, l, layout::kErrorPeerPointers, rank, -1, -1);
       else *epoch_word(buffer, l) += 1;
     }
     __syncthreads();
+    peers_ok = peers_checked;
     if (peers_ok) {
       const uint32_t epoch = *epoch_word(buffer, l);
       ep_signal(buffer, l, rank, 0, epoch);
       ep_wait(buffer, l, 0, epoch);
     }
     __syncthreads();
-  } else if (threadIdx.x == 0) {
-    peers_ok = true;
   }
   trace.stamp();
   // With peers, every rank's count and slot ids as its pre_dispatch pushed them into this buffer (local loads), or,
