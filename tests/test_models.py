@@ -76,3 +76,17 @@ def test_token_blocks_with_tail_rows_cover_each_expert():
     """Routing's token blocks with tail rows (FP8 block_m 64 + 16, FP4 block_m 16 + 8) and decode_tile_warp's rows
     per block: each expert's rows exactly once, every block but the last full, the last within the tile's columns."""
     load("warp_tile_decode").check_rows(max_count=300)
+
+
+def test_fp4_gemv_fp16_block_sums_within_bf16_rounding():
+    """The planned T=1 GEMV's fp16 block sums (docs/plans/fp4-gemv.md): against float64 their error stays well under
+    the bf16 rounding that L1's epilogue applies to every output (and under the tests' 1e-2), and float32 block sums
+    are exact to float32 rounding. The model itself asserts that the fp16 weights (e2m1 x 2^-14) and tokens (E4M3) are
+    exact, so the error measured is the accumulators' alone (and nonzero: the fp16 sums are really rounded)."""
+    model = load("fp4_gemv_numerics")
+    for k in (2048, 4096):
+        err = model.errors(256, k, seed=k)
+        fp32, fp16, bf16 = (err[name][0] for name in (
+            "fp32 block sums (FFMA)", "fp16 block sums (HFMA2)", "bf16 rounding of the exact sum"))
+        assert fp32 < 1e-6, err
+        assert 1e-6 < fp16 < bf16 / 3 and fp16 < 1e-3, err

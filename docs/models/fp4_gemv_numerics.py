@@ -45,15 +45,10 @@ def block_sums_fp16(w_codes: torch.Tensor, q_tok: torch.Tensor) -> torch.Tensor:
     return (acc[0].to(torch.float32) + acc[1].to(torch.float32)) * 2.0**14
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=2048)
-    ap.add_argument("--k", type=int, default=4096)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    g = torch.Generator().manual_seed(args.seed)
-    rows, k, nb = args.rows, args.k, args.k // 32
-
+def errors(rows: int, k: int, seed: int) -> dict[str, tuple[float, float]]:
+    """Per path: (rel_err against the float64 dot products, the largest row's error over the outputs' RMS)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = k // 32
     w = torch.randn(rows, k, generator=g) * torch.exp(torch.randn(rows, 1, generator=g) * 0.5) * 0.02
     packed, wsf = formats.quantize_mxfp4(w)
     w_codes = formats.dequantize_mxfp4(packed, torch.full_like(wsf, 127))  # e2m1 values (scale 1)
@@ -80,11 +75,21 @@ def main() -> None:
         "fp16 block sums (HFMA2)": accumulate(block_sums_fp16(wb, qb)),
         "bf16 rounding of the exact sum": ref.to(torch.bfloat16).double(),
     }
-    print(f"rows {rows}, K {k}: error against the float64 dot products")
+    result = {}
     for name, out in paths.items():
         d = out.double() - ref
-        rel = (d.norm() / ref.norm()).item()
-        worst = (d.abs().max() / ref.pow(2).mean().sqrt()).item()
+        result[name] = ((d.norm() / ref.norm()).item(), (d.abs().max() / ref.pow(2).mean().sqrt()).item())
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(f"rows {args.rows}, K {args.k}: error against the float64 dot products")
+    for name, (rel, worst) in errors(args.rows, args.k, args.seed).items():
         print(f"  {name:32s} rel_err {rel:.2e}   largest row error / outputs' RMS {worst:.2e}")
 
 
