@@ -251,6 +251,22 @@ inline bool choose_mxfp4_fp8_mma() {
   return true;
 }
 
+// FP4 GEMV path for one token on one rank (sm90_fp4_gemv.cu; docs/plans/fp4-gemv.md): MXFP4 weights with FP8 tokens,
+// hidden and intermediate multiples of 128. Exact products and float32 sums on mma.sync, not the default walk's FP8
+// wgmmas on folded values: other bits, so not with peers (EP's ranks must round alike whatever their token counts; the
+// EP tests' EP=1 runs turn it off). MEGAMOE_FP4_GEMV=0 (read per call; tests) turns it off; the tile walk's own
+// switches (MEGAMOE_FP4_BLOCK_M, _SPLIT_ROUND, ...) act with it off.
+// NOTES: counted, not yet measured (docs/perf-notes.md, forty-first session: V4-Flash T=1 predicted 55 -> ~37 µs, the
+// tile walk there being bound by 96 tiles on 132 SMs and per-SM issue); fp16 block sums were modelled as well
+// (docs/models/fp4_gemv_numerics.py) but this build sums in float32 on mma.sync.
+inline bool fp4_gemv(int64_t num_tokens, int64_t num_ranks, bool mxfp4_fp8_tokens, int64_t hidden,
+                     int64_t intermediate) {
+  if (num_tokens != 1 || num_ranks != 1 || !mxfp4_fp8_tokens || hidden % 128 != 0 || intermediate % 128 != 0)
+    return false;
+  const char* env = std::getenv("MEGAMOE_FP4_GEMV");
+  return env == nullptr || env[0] != '0';
+}
+
 // FP8-wgmma path (MXFP4 weights) with FP8 tokens: the gather folds L1's tokens per 128-K group (one factor each) as it
 // copies them, and L1's epilogue writes L2's input folded the same way, instead of every tile's converter warps folding
 // its tokens again (launch_gather's fold, Params::fold_output). Same folded values, so the same bits.

@@ -475,6 +475,18 @@ __device__ __forceinline__ float min_nan(float a, float b) {
   return d;
 }
 
+// One SwiGLU output from the bf16-rounded gate and up values: clamp (when clamp >= 0; NaN propagates), silu(g) x u x
+// the top-k weight w, in float32, left to right (megamoe.reference's order).
+template <bool kFast>
+__device__ __forceinline__ float swiglu_value(float g, float u, float w, float clamp) {
+  if (clamp >= 0.0f) {
+    g = min_nan(g, clamp);
+    u = min_nan(max_nan(u, -clamp), clamp);
+  }
+  const float silu = kFast ? __fdividef(g, 1.0f + __expf(-g)) : g / (1.0f + expf(-g));
+  return silu * u * w;
+}
+
 // SwiGLU of a thread's L1 accumulator fragment, in place (DESIGN.md §3): gate[i] <- silu(g) * u * col_w[j(i)] with
 // g, u = bf16(gate[i] * f), bf16(up[i] * f), f = col_f[j(i)] when kScaled (FP4: the tokens' dequantization factor),
 // clamped when clamp >= 0; j(i) = (i / 4) * 2 + i % 2 is the m64nN fragment's column (token) of register i. It
@@ -499,14 +511,7 @@ __device__ __forceinline__ void swiglu_fragment_impl(float (&gate)[kRegs], const
                                       : __floats2bfloat162_rn(up[i], up[i + 1]);
     float g[2] = {__low2float(g2), __high2float(g2)}, u[2] = {__low2float(u2), __high2float(u2)};
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (clamp >= 0.0f) {
-        g[h] = min_nan(g[h], clamp);
-        u[h] = min_nan(max_nan(u[h], -clamp), clamp);
-      }
-      const float silu = kFast ? __fdividef(g[h], 1.0f + __expf(-g[h])) : g[h] / (1.0f + expf(-g[h]));
-      gate[i + h] = silu * u[h] * col_w[j + h];
-    }
+    for (int h = 0; h < 2; ++h) gate[i + h] = swiglu_value<kFast>(g[h], u[h], col_w[j + h], clamp);
   }
 }
 template <bool kScaled, int kLive = -1, int kRegs, int kCols>
