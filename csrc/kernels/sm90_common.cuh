@@ -476,7 +476,10 @@ __device__ __forceinline__ float min_nan(float a, float b) {
 }
 
 // One SwiGLU output from the bf16-rounded gate and up values: clamp (when clamp >= 0; NaN propagates), silu(g) x u x
-// the top-k weight w, in float32, left to right (megamoe.reference's order).
+// the top-k weight w, in float32, left to right (megamoe.reference's order): the FP4 GEMV's form, the same operations
+// per element as the fragment form below. NOTES: the fragment form calling a scalar form compiled to other SASS (the
+// FP8 kernels' 440 instructions fewer, an NVFP4 L1 kernel spilling 4 bytes; nvcc 13.0, 2026-11-26:
+// benchmarks/patches/fp4-block128-epilogue-warps-rejected.patch), so the measured kernels keep their own loop.
 template <bool kFast>
 __device__ __forceinline__ float swiglu_value(float g, float u, float w, float clamp) {
   if (clamp >= 0.0f) {
@@ -511,7 +514,14 @@ __device__ __forceinline__ void swiglu_fragment_impl(float (&gate)[kRegs], const
                                       : __floats2bfloat162_rn(up[i], up[i + 1]);
     float g[2] = {__low2float(g2), __high2float(g2)}, u[2] = {__low2float(u2), __high2float(u2)};
 #pragma unroll
-    for (int h = 0; h < 2; ++h) gate[i + h] = swiglu_value<kFast>(g[h], u[h], col_w[j + h], clamp);
+    for (int h = 0; h < 2; ++h) {
+      if (clamp >= 0.0f) {
+        g[h] = min_nan(g[h], clamp);
+        u[h] = min_nan(max_nan(u[h], -clamp), clamp);
+      }
+      const float silu = kFast ? __fdividef(g[h], 1.0f + __expf(-g[h])) : g[h] / (1.0f + expf(-g[h]));
+      gate[i + h] = silu * u[h] * col_w[j + h];
+    }
   }
 }
 template <bool kScaled, int kLive = -1, int kRegs, int kCols>
