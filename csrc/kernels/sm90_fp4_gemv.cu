@@ -193,11 +193,18 @@ __global__ void __launch_bounds__(kGemvThreads) fp4_gemv_l2_kernel(Fp4GemvLayer 
   // Before the dependency wait: pre_dispatch wrote the ids, and L1 triggered this grid only after its own wait for
   // pre_dispatch (every kernel of the chain triggers after its wait; see combine_kernel).
   const int id = __ldcg(reinterpret_cast<const int*>(buffer + l.topk_idx_offset) + slot);
+  const int row0 = rb * kGemvRows;
+  if (id >= 0 && id < l.num_experts) {
+    // The item's weight rows (64 x inter / 2 contiguous bytes) asked of L2 while L1 finishes: this CTA became resident
+    // as an L1 CTA left its SM. One 128-byte line per request.
+    const uint8_t* rows = w2.weights + (int64_t(id) * hidden + row0) * (inter / 2);
+    for (int line = threadIdx.x; line < kGemvRows * inter / 2 / 128; line += kGemvThreads)
+      ptx::prefetch_l2(rows + int64_t(line) * 128);
+  }
   ptx::grid_dependency_wait();  // L1's outputs
   ptx::launch_dependents();
   if (id < 0 || id >= l.num_experts) return;  // block-uniform; the combine skips the slot
   __shared__ float part[kGemvWarps][kGemvRows];
-  const int row0 = rb * kGemvRows;
   const int r0[4] = {row0, row0 + 16, row0 + 32, row0 + 48};
   gemv_item(part, w2, id, hidden, inter, r0, buffer + l.pool_offset + int64_t(slot) * inter,
             buffer + l.pool_sf_offset + int64_t(slot) * (inter / 32));
