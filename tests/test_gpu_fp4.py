@@ -1010,28 +1010,61 @@ def test_fp4_gemv_scale_range(scale_byte, monkeypatch):
         assert rel_err(y, ref) <= TOL
 
 
-@pytest.mark.parametrize("model", ["V4-Flash", "V4-Pro"])
-def test_fp4_gemv_deepseek_v4_shapes(model, monkeypatch):
-    """DeepSeek-V4 shapes at T=1 (MXFP4 w4a8): the GEMV path against the reference and the tile walk, captured in a CUDA
-    graph and replayed with new inputs (the same bits as eager)."""
-    e, k, h, i = MODELS[model]
+def test_fp4_gemv_deepseek_v4_graph(model_layer, monkeypatch):
+    """DeepSeek-V4 shapes at T=1 (MXFP4 w4a8) on the GEMV path (routing does not run): against the reference and the
+    tile walk (MEGAMOE_FP4_GEMV=0), and captured in a CUDA graph replayed with new inputs (a new token, ids with a
+    masked and a repeated slot, new weights): the same bits as an eager call on them."""
+    name, weight_format, (e, k, h, i), (w13, sf13, g13, w2, sf2, g2), l1, l2 = model_layer
+    if weight_format != "mxfp4":
+        pytest.skip("the GEMV path takes MXFP4 weights")
     monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
-    case = make_case(e, h, i, k, 1, "mxfp4", "fp8", device="cuda", seed=813 + e)
-    y, routed = run_marked(case)
-    assert not routed
-    assert rel_err(y, case.ref) <= TOL
-    out = torch.full_like(case.x, float("nan"))
+    buf = megamoe.get_symm_buffer(None, e, 1, k, h, i, act_format="fp8")
+    x = torch.randn(1, h, device="cuda").bfloat16()
+    idx, w = reference.make_random_routing(1, e, k, masked_fraction=0.0, seed=5, device="cuda")
+    out = torch.full_like(x, float("nan"))
+    off = buf.layout["expert_count_offset"]
+    buf.buffer[off:off + 4].fill_(0x7F)
 
     def step():
-        megamoe.pre_dispatch(case.x, case.topk_idx, case.topk_weights, case.buffer, weight_format="mxfp4")
-        megamoe.fp8_fp4_mega_moe(out, case.l1, case.l2, case.buffer, weight_format="mxfp4")
+        megamoe.pre_dispatch(x, idx, w, buf, weight_format="mxfp4")
+        megamoe.fp8_fp4_mega_moe(out, l1, l2, buf, weight_format="mxfp4")
 
-    graph = capture_graph(step)
-    x2 = torch.randn_like(case.x)
-    case.x.copy_(x2)
+    def ref():
+        return reference.mega_moe(x, idx, w, w13, w2, weight_format="mxfp4", act_format="fp8", w13_sf=sf13, w2_sf=sf2,
+                                  w13_global_sf=g13, w2_global_sf=g2)
+
+    graph = capture_graph(step)  # one eager call first, then the capture
+    torch.cuda.synchronize()
+    assert bool((buf.buffer[off:off + 4] == 0x7F).all()), "the tile walk took the call"
+    eager = out.clone()
+    assert rel_err(eager, ref()) <= TOL, name
+    monkeypatch.setenv("MEGAMOE_FP4_GEMV", "0")
+    step()
+    assert rel_err(eager, out) <= TOL, name
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV")
+    x.copy_(torch.randn_like(x))
+    new_idx = idx.clone()
+    new_idx[0, 1], new_idx[0, 2] = -1, new_idx[0, 0]
+    idx.copy_(new_idx)
+    w.copy_(torch.rand_like(w))
+    out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    eager = run_poisoned(case)
-    assert torch.equal(out, eager)
-    assert rel_err(eager, case.reference()) <= TOL
-    release_gpu_memory()
+    replayed = out.clone()
+    out.fill_(float("nan"))
+    step()
+    assert torch.equal(replayed, out)
+    assert rel_err(replayed, ref()) <= TOL, name
+
+
+@pytest.mark.parametrize("clamp", [None, 3.0])
+def test_fp4_gemv_nan_token_is_never_silent(clamp, monkeypatch):
+    """A NaN in the token's hidden state makes its output non-finite on the GEMV path (the token's scale, the clamp
+    and the L1 requantization keep it), as on the tile walk."""
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    case = make_case(8, 256, 384, 3, 1, "mxfp4", "fp8", device="cuda", masked_fraction=0.0, seed=814)
+    case.x = case.x.clone()
+    case.x[0, 17] = float("nan")
+    y, routed = run_marked(case, activation_clamp=clamp)
+    assert not routed
+    assert not torch.isfinite(y).all()

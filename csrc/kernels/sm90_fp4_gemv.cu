@@ -10,8 +10,10 @@
 // tile path does (decode_rows_bf16), but relative to each row's largest scale byte (transform_weights' row exponents,
 // as the FP8-wgmma path: e2m1 x 2^(s - e), exact in bf16 for every scale byte) into mma.sync m16n8k16 A fragments, and
 // multiplies the token's B fragments (column 0; lanes 4-31 hold the zero columns): exact products, float32 sums on the
-// tensor cores, then 2^(e - 127) per row. Not the default tile walk's FP8-wgmma fold: outputs differ from the tile
-// walk's in the last bits, hence one rank only (EP's ranks must round alike whatever their token counts).
+// tensor cores, then 2^(e - 127) per row: exact for every scale byte up to e - s = 125 binades below the row's largest
+// (the FP8-wgmma walk: up to 14, rounded past that). Not the default walk's FP8 wgmmas on folded values: other
+// roundings (within the tolerance of the reference, not bitwise), hence one rank only (EP's ranks must round alike
+// whatever their token counts).
 // L1 epilogue as the tile walk's (swiglu_value on the bf16-rounded gate and up; UE8M0 scale per 32 outputs,
 // ceil_pow2(amax / 448); E4M3 by the exact reciprocal), not folded: L2 reads E4M3 bytes [slot][I] and scale bytes
 // [slot][I / 32] in the pool's regions (nothing else reads them in this call). L2 stores bf16 rows into the combine
@@ -88,7 +90,7 @@ __device__ __forceinline__ void gemv_tiles(float (&acc)[4][4], const uint8_t* w,
     const int blk = 4 * g + q;
     // Every load of the group first (eight 16-byte rows a lane), then the decode and the mmas; lane q = 0 of each row
     // pair also asks L2 for the next group's 64 bytes of its two rows, so that a warp keeps two groups' bytes in flight
-    // (192 registers a thread: one CTA of 8 warps per SM; with two, ptxas spilled 68-72 bytes).
+    // (212-216 registers a thread: one CTA of 8 warps per SM; capped at 128 for two, ptxas spilled 68-72 bytes).
     uint4 wa[4], wb[4];
     uint32_t sa[4], sb[4];
 #pragma unroll

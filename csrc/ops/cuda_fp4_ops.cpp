@@ -40,7 +40,12 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   const float clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
   int* recv_stats_ptr = recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr;
   // One token on one rank: GEMVs over its experts instead of routing, gather and the tile walk (heuristics::fp4_gemv).
-  if (heuristics::fp4_gemv(t, l.num_ranks, format == WeightFormat::kMXFP4 && args.recipe == ActRecipe::kFP8UE8M0Block32,
+  // Its lanes load 16-byte pieces of the weight rows: weights off that alignment (a sliced tensor; transform_weights
+  // never returns one) take the tile walk, whose tensor maps refuse them with an error.
+  const bool weights_aligned = reinterpret_cast<uintptr_t>(l1_weights.data_ptr()) % 16 == 0 &&
+                               reinterpret_cast<uintptr_t>(l2_weights.data_ptr()) % 16 == 0;
+  if (weights_aligned &&
+      heuristics::fp4_gemv(t, l.num_ranks, format == WeightFormat::kMXFP4 && args.recipe == ActRecipe::kFP8UE8M0Block32,
                            l.hidden, l.intermediate)) {
     auto layer = [&](const at::Tensor& w, const at::Tensor& sf, const at::Tensor& row_exp, int64_t n, int64_t k) {
       return kernels::Fp4GemvLayer{static_cast<const uint8_t*>(w.data_ptr()), static_cast<const uint8_t*>(sf.data_ptr()),
