@@ -252,16 +252,39 @@ inline bool choose_mxfp4_fp8_mma() {
 }
 
 // FP4 GEMV path for one token on one rank (sm90_fp4_gemv.cu; docs/plans/fp4-gemv.md): MXFP4 weights with FP8 tokens,
-// hidden and intermediate multiples of 128. Exact products and float32 sums on mma.sync, not the default walk's FP8
-// wgmmas on folded values: other bits, so not with peers (EP's ranks must round alike whatever their token counts; the
-// EP tests' EP=1 runs turn it off). MEGAMOE_FP4_GEMV=0 (read per call; tests) turns it off; the tile walk's own
-// switches (MEGAMOE_FP4_BLOCK_M, _SPLIT_ROUND, ...) act with it off.
-// NOTES: counted, not yet measured (docs/perf-notes.md, forty-first session: V4-Flash T=1 predicted 55 -> ~37 µs, the
-// tile walk there being bound by 96 tiles on 132 SMs and per-SM issue); fp16 block sums were modelled as well
-// (docs/models/fp4_gemv_numerics.py) but this build sums in float32 on mma.sync.
+// hidden and intermediate multiples of 128, two ring stages of either layer in shared memory (fp4_gemv_stages). Exact
+// products and float32 sums on mma.sync, not the default walk's FP8 wgmmas on folded values: other bits, so not with
+// peers (EP's ranks must round alike whatever their token counts; the EP tests' EP=1 runs turn it off).
+// MEGAMOE_FP4_GEMV=0 (read per call; tests) turns it off; the tile walk's own switches (MEGAMOE_FP4_BLOCK_M,
+// _SPLIT_ROUND, ...) act with it off.
+// NOTES: v1 (lanes loading straight from global memory, one item a CTA) lost to the tile walk (H100, 2026-11-27, V4-Flash
+// / V4-Pro T=1: 1.15x / 1.34x its time, latency-bound); v2 streams through a ring of shared-memory stages (perf-notes,
+// forty-second session).
+constexpr int kFp4GemvTileRows = 16;     // rows of a ring stage: one m16 tile
+constexpr int kFp4GemvMaxStages = 8;
+constexpr int kFp4GemvHeaderBytes = 128;  // the ring's full / empty barriers
+constexpr int kFp4GemvPartBytes = 2 * 8 * 64 * 4;  // the consumer warps' partial sums, two items
+constexpr int kFp4GemvSmemLimit = 232448;  // H100 / H200 / H20: 227 KB of dynamic shared memory a CTA
+// A ring stage: 16 rows of k (E2M1), their k / 32 scale bytes and their 16 row exponents, rounded up to 128 bytes.
+constexpr int fp4_gemv_stage_bytes(int64_t k) {
+  return static_cast<int>((kFp4GemvTileRows * (k / 2 + k / 32 + 1) + 127) / 128 * 128);
+}
+// The token(s) as bf16 B fragments: 64 bytes a 32-K block.
+constexpr int fp4_gemv_token_bytes(int64_t blocks) { return static_cast<int>(blocks * 64); }
+constexpr int fp4_gemv_smem_bytes(int64_t k, int64_t token_blocks, int stages) {
+  return kFp4GemvHeaderBytes + kFp4GemvPartBytes + fp4_gemv_token_bytes(token_blocks) + stages * fp4_gemv_stage_bytes(k);
+}
+// As many stages as fit, up to kFp4GemvMaxStages (V4-Flash L1 / L2: 6 / 8; V4-Pro: 3 / 6: 100-180 KB a SM in flight,
+// where ~25 KB keep the H100's HBM busy).
+inline int fp4_gemv_stages(int64_t k, int64_t token_blocks) {
+  const int64_t free = kFp4GemvSmemLimit - fp4_gemv_smem_bytes(k, token_blocks, 0);
+  return free <= 0 ? 0 : static_cast<int>(std::min<int64_t>(kFp4GemvMaxStages, free / fp4_gemv_stage_bytes(k)));
+}
 inline bool fp4_gemv(int64_t num_tokens, int64_t num_ranks, bool mxfp4_fp8_tokens, int64_t hidden,
-                     int64_t intermediate) {
+                     int64_t intermediate, int64_t top_k) {
   if (num_tokens != 1 || num_ranks != 1 || !mxfp4_fp8_tokens || hidden % 128 != 0 || intermediate % 128 != 0)
+    return false;
+  if (fp4_gemv_stages(hidden, hidden / 32) < 2 || fp4_gemv_stages(intermediate, top_k * (intermediate / 32)) < 2)
     return false;
   const char* env = std::getenv("MEGAMOE_FP4_GEMV");
   return env == nullptr || env[0] != '0';

@@ -123,7 +123,7 @@ void launch_fold_mxfp4(const uint8_t* src, const uint8_t* src_sf, int64_t k, uin
                        const uint8_t* buffer, const layout::BufferLayout& layout, int num_sms, cudaStream_t stream);
 
 // One token on one rank, MXFP4 weights with FP8 tokens (UE8M0 per 32): the experts of its top-k slots as GEMVs on
-// mma.sync (sm90_fp4_gemv.cu; heuristics::fp4_gemv), no routing or gather. L1 -> SwiGLU -> the L2 input (E4M3 + UE8M0
+// mma.sync (sm90_fp4_gemv.cu; heuristics::fp4_gemv; persistent CTAs on num_sms), no routing or gather. L1 -> SwiGLU -> the L2 input (E4M3 + UE8M0
 // per 32, in the pool) -> L2 -> bf16 rows in the combine area (then launch_combine); reports bad ids and counts
 // recv_stats as routing does.
 struct Fp4GemvLayer {
@@ -133,6 +133,6 @@ struct Fp4GemvLayer {
   bool scale_tiles;
 };
 void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* buffer, const layout::BufferLayout& layout,
-                     float activation_clamp, bool fast_math, int* recv_stats, cudaStream_t stream);
+                     float activation_clamp, bool fast_math, int* recv_stats, int num_sms, cudaStream_t stream);
 
 }  // namespace megamoe::kernels

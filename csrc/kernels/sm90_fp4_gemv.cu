@@ -3,21 +3,27 @@
 //
 // Why: at T=1 the tile walk runs 256-row tiles (V4-Flash: 96 per GEMM on 132 SMs, 36 of them idle) and its wgmmas use
 // one of their 8-16 token columns; the walk is bound by tile granularity and per-SM issue (docs/perf-notes.md, thirty-
-// ninth session). Here a CTA item is 64 weight rows of one slot's expert over the whole K, the K split by 128-K groups
-// over the CTA's 8 warps (their partials summed in shared memory in warp order): V4-Flash L1 is 6 x 64 items of 32
-// outputs, L2 6 x 64 items of 64 rows, and every SM streams.
-// Each lane loads its 32-K block of two rows straight from global memory (16 bytes each), decodes them as the BF16
-// tile path does (decode_rows_bf16), but relative to each row's largest scale byte (transform_weights' row exponents,
-// as the FP8-wgmma path: e2m1 x 2^(s - e), exact in bf16 for every scale byte) into mma.sync m16n8k16 A fragments, and
-// multiplies the token's B fragments (column 0; lanes 4-31 hold the zero columns): exact products, float32 sums on the
-// tensor cores, then 2^(e - 127) per row: exact for every scale byte up to e - s = 125 binades below the row's largest
-// (the FP8-wgmma walk: up to 14, rounded past that). Not the default walk's FP8 wgmmas on folded values: other
-// roundings (within the tolerance of the reference, not bitwise), hence one rank only (EP's ranks must round alike
-// whatever their token counts).
+// ninth session). Here an item is 64 weight rows of one slot's expert over the whole K (L1: 32 gate rows and their 32
+// up rows, one UE8M0 block of outputs; L2: 64 output rows), four m16 tiles of 16 contiguous rows. One persistent CTA
+// per SM takes items in turn (item = blockIdx.x + i x gridDim.x): a producer lane streams each tile's rows, scale bytes
+// and row exponents into a ring of shared-memory stages with cp.async.bulk (contiguous bytes: one copy of the rows),
+// and 8 consumer warps split every tile's K by 128-K groups.
+// NOTES: v1 (forty-second session) had each lane load its 16-byte pieces straight from global memory, CTAs of one item
+// (2.9 waves on 132 SMs, 4 groups a warp): latency-bound at ~1.2 TB/s (H100, V4-Flash T=1: L1 41 µs, L2 32 µs; the
+// whole call 1.15x the tile walk's time). The ring keeps 100+ KB a SM in flight.
+// Each lane decodes its 32-K block of two rows as the BF16 tile path does (decode_rows_bf16), but relative to each
+// row's largest scale byte (transform_weights' row exponents, as the FP8-wgmma path: e2m1 x 2^(s - e), exact in bf16
+// for every scale byte) into mma.sync m16n8k16 A fragments, and multiplies the token's B fragments (column 0; lanes
+// 4-31 hold the zero columns; the token is converted to bf16 fragments in shared memory once a CTA): exact products,
+// float32 sums on the tensor cores, then 2^(e - 127) per row: exact for every scale byte up to e - s = 125 binades
+// below the row's largest (the FP8-wgmma walk: up to 14, rounded past that). Not the default walk's FP8 wgmmas on
+// folded values: other roundings (within the tolerance of the reference, not bitwise), hence one rank only (EP's ranks
+// must round alike whatever their token counts).
 // L1 epilogue as the tile walk's (swiglu_value on the bf16-rounded gate and up; UE8M0 scale per 32 outputs,
 // ceil_pow2(amax / 448); E4M3 by the exact reciprocal), not folded: L2 reads E4M3 bytes [slot][I] and scale bytes
 // [slot][I / 32] in the pool's regions (nothing else reads them in this call). L2 stores bf16 rows into the combine
 // area; launch_combine sums the slots. Bad ids go to the error word and valid slots to recv_stats, as routing does.
+#include "heuristics/sm90.hpp"
 #include "kernels/sm90_fp4_grouped_gemm.cuh"
 
 namespace megamoe::kernels {
@@ -26,11 +32,15 @@ namespace {
 
 using fp4::decode_rows_bf16;
 using fp4::fp8_pair_bf16;
+using heuristics::kFp4GemvTileRows;
 
-constexpr int kGemvWarps = 8;
-constexpr int kGemvThreads = 32 * kGemvWarps;
-constexpr int kGemvRows = 64;  // weight rows per CTA item: four m16 tiles
+constexpr int kGemvWarps = 8;  // consumer warps; one more warp produces
+constexpr int kGemvThreads = 32 * (kGemvWarps + 1);
+constexpr int kGemvRows = 4 * kFp4GemvTileRows;  // weight rows per item: four m16 tiles
 constexpr int kL1Outputs = 32;  // L1 outputs per item: one UE8M0 block (32 gate rows and their 32 up rows)
+constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warps (0 is __syncthreads)
+static_assert(heuristics::kFp4GemvPartBytes == 2 * kGemvWarps * kGemvRows * 4, "partial sums: two items");
+static_assert(heuristics::kFp4GemvHeaderBytes >= 2 * heuristics::kFp4GemvMaxStages * 8, "full and empty barriers");
 
 __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -40,109 +50,185 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint4 load_nc(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-
-// Byte of (row r, 32-K block b) in one expert's UE8M0 scales of `kb` bytes a row: scale tiles (formats.hpp) or rows.
-__device__ __forceinline__ int64_t scale_index(int r, int b, int kb, bool tiles) {
-  if (!tiles) return int64_t(r) * kb + b;
-  return (int64_t(r / kScaleTileRows) * (kb / kScaleTileBytes) + b / kScaleTileBytes) * (kScaleTileRows * kScaleTileBytes) +
-         (r % kScaleTileRows) * kScaleTileBytes + b % kScaleTileBytes;
-}
-
-// The token's B fragments for 128-K group g: lane q < 4 (column 0) holds its 32-K block 4g + q (E4M3 bytes `x` [k],
-// UE8M0 `x_sf` [k / 32]) as values, in decode_rows_bf16's K order (fp8_pair_bf16); the other lanes zeros. Exact in
-// bf16 for every scale the quantizers write (>= 1e-4 / 448: normal), up to 2^119.
-__device__ __forceinline__ void token_fragments(uint32_t (&b)[8][2], const uint8_t* x, const uint8_t* x_sf, int g,
-                                                int lane) {
-#pragma unroll
-  for (int s = 0; s < 8; ++s) b[s][0] = b[s][1] = 0;
-  if (lane >= 4) return;
-  const int blk = 4 * g + lane;
-  const uint4 lo = __ldcg(reinterpret_cast<const uint4*>(x + blk * 32));
-  const uint4 hi = __ldcg(reinterpret_cast<const uint4*>(x + blk * 32 + 16));
-  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-  const float f = ue8m0_float(__ldcg(x_sf + blk));
-#pragma unroll
-  for (int t = 0; t < 4; ++t)
-#pragma unroll
-    for (int p = 0; p < 4; ++p) b[2 * t + p / 2][p % 2] = fp8_pair_bf16(w, t, p, f);
-}
-
 // Weight scale byte s of a row whose largest is e -> the bf16 pair factor 2^(s - e + 126), which turns e2m1x2_raw's
 // e2m1 x 2^-126 into e2m1 x 2^(s - e) (exact: at most 6, and normal for s - e >= -125). The row's 2^(e - 127)
-// multiplies its sums after the K (gemv_item), so every scale byte is exact, as on the FP8-wgmma path; s > e, which
-// transform_weights never writes, reads as s = e - 252.
+// multiplies its sums after the K (consume_tile's caller), so every scale byte is exact, as on the FP8-wgmma path;
+// s > e, which transform_weights never writes, reads as s = e - 252.
 __device__ __forceinline__ uint32_t relative_factor(uint32_t s, uint32_t e) {
   const uint32_t h = (253u - min(e - s, 252u)) << 7;
   return h | (h << 16);
 }
 
-// The four m16 tiles of rows r0[m] .. r0[m] + 15 of one expert (packed rows of k / 2 bytes at `w`, scales at `sf`,
-// the rows' largest scale bytes ea / eb) times the token, over the 128-K groups [g_begin, g_end), into acc[m] (m16n8
-// accumulators: column 0 in lanes 4i, registers 0 (row r0 + i) and 2 (row r0 + i + 8)), relative to the rows' largest
-// scales.
-__device__ __forceinline__ void gemv_tiles(float (&acc)[4][4], const uint8_t* w, const uint8_t* sf, bool tiles, int k,
-                                           const int (&r0)[4], const uint32_t (&ea)[4], const uint32_t (&eb)[4],
-                                           const uint8_t* x, const uint8_t* x_sf, int g_begin, int g_end, int lane) {
-  const int q = lane % 4, rr = lane / 4, kb = k / 32;
-  const int64_t row_bytes = k / 2;
-  for (int g = g_begin; g < g_end; ++g) {
-    const int blk = 4 * g + q;
-    // Every load of the group first (eight 16-byte rows a lane), then the decode and the mmas; lane q = 0 of each row
-    // pair also asks L2 for the next group's 64 bytes of its two rows, so that a warp keeps two groups' bytes in flight
-    // (212-216 registers a thread: one CTA of 8 warps per SM; capped at 128 for two, ptxas spilled 68-72 bytes).
-    uint4 wa[4], wb[4];
-    uint32_t sa[4], sb[4];
+// One layer's view for the kernels: weights of `n` rows of `k` per expert, `items` items per slot.
+struct GemvPass {
+  Fp4GemvLayer w;
+  int n, k, items, slots;  // slots: top_k (items of slot j are j x items ..)
+  int stages;              // ring stages (heuristics::fp4_gemv_stages)
+};
+
+// Shared memory: the ring's full / empty barriers, the consumer warps' partial sums (two buffers by item parity: one
+// consumer barrier an item), the token's bf16 B fragments (16 words per 32-K block: fp8_pair_bf16 in
+// decode_rows_bf16's K order), then the ring's stages (a tile: rows, scale bytes, row exponents).
+struct GemvSmem {
+  uint64_t* full;
+  uint64_t* empty;
+  float (*part)[kGemvWarps][kGemvRows];
+  uint32_t* token;
+  uint8_t* ring;
+};
+
+__device__ __forceinline__ GemvSmem carve(uint8_t* smem, int token_blocks) {
+  GemvSmem s;
+  s.full = reinterpret_cast<uint64_t*>(smem);
+  s.empty = s.full + heuristics::kFp4GemvMaxStages;
+  s.part = reinterpret_cast<float (*)[kGemvWarps][kGemvRows]>(smem + heuristics::kFp4GemvHeaderBytes);
+  s.token = reinterpret_cast<uint32_t*>(smem + heuristics::kFp4GemvHeaderBytes + 2 * kGemvWarps * kGemvRows * 4);
+  s.ring = reinterpret_cast<uint8_t*>(s.token) + heuristics::fp4_gemv_token_bytes(token_blocks);
+  return s;
+}
+
+// Token blocks [0, blocks) (E4M3 bytes `x` [32 blk ..], UE8M0 `x_sf` [blk]) -> their B fragments in shared memory,
+// by the consumer warps. Exact in bf16 for every scale the quantizers write (>= 1e-4 / 448: normal), up to 2^119.
+__device__ __forceinline__ void convert_token(uint32_t* dst, const uint8_t* x, const uint8_t* x_sf, int blocks) {
+  for (int blk = threadIdx.x; blk < blocks; blk += 32 * kGemvWarps) {
+    const uint4 lo = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32));
+    const uint4 hi = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32 + 16));
+    const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const float f = ue8m0_float(__ldcg(x_sf + blk));
+    uint32_t v[16];
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+#pragma unroll
+      for (int p = 0; p < 4; ++p) v[4 * t + p] = fp8_pair_bf16(w, t, p, f);
+    uint4* d = reinterpret_cast<uint4*>(dst + blk * 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[i] = make_uint4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+  }
+}
+
+// Producer lane: every tile of the CTA's items whose slot holds a valid id, in the consumers' order. A tile is one
+// bulk copy of its 16 rows (contiguous), its scale bytes (rows: one copy; scale tiles: one 256-byte piece per 16
+// blocks) and its 16 row exponents.
+template <typename RowsOf>
+__device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
+                                        RowsOf rows_of) {
+  const int kb = p.k / 32, row_bytes = p.k / 2;
+  const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k);
+  const uint32_t tile_bytes = kFp4GemvTileRows * (row_bytes + kb + 1);
+  int stage = 0;
+  uint32_t phase = 0;
+  const int total = p.items * p.slots;
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    const int id = __ldcg(ids + item / p.items);
+    if (id < 0 || id >= num_experts) continue;
+    int r0[4];
+    rows_of(item % p.items, r0);
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-      const int ra = r0[m] + rr, rb = ra + 8;
-      if (q == 0 && g + 1 < g_end) {
-        ptx::prefetch_l2(w + ra * row_bytes + (blk + 4) * 16);
-        ptx::prefetch_l2(w + rb * row_bytes + (blk + 4) * 16);
+      ptx::mbarrier_wait(&s.empty[stage], phase ^ 1);
+      uint8_t* dst = s.ring + stage * stage_bytes;
+      ptx::mbarrier_arrive_expect_tx(&s.full[stage], tile_bytes);
+      const int64_t row = int64_t(id) * p.n + r0[m];
+      ptx::bulk_load(dst, p.w.weights + row * row_bytes, kFp4GemvTileRows * row_bytes, &s.full[stage]);
+      uint8_t* dst_sf = dst + kFp4GemvTileRows * row_bytes;
+      if (p.w.scale_tiles) {
+        // Scale tiles [n / 256][kb / 16][256][16] an expert: rows r0 .. r0 + 15 of 16 blocks are 256 contiguous bytes.
+        const uint8_t* src = p.w.weights_sf + int64_t(id) * p.n * kb +
+                             int64_t(r0[m] / kScaleTileRows) * (kb / kScaleTileBytes) * (kScaleTileRows * kScaleTileBytes) +
+                             (r0[m] % kScaleTileRows) * kScaleTileBytes;
+        for (int j = 0; j < kb / kScaleTileBytes; ++j)
+          ptx::bulk_load(dst_sf + j * kFp4GemvTileRows * kScaleTileBytes,
+                         src + int64_t(j) * kScaleTileRows * kScaleTileBytes, kFp4GemvTileRows * kScaleTileBytes,
+                         &s.full[stage]);
+      } else {
+        ptx::bulk_load(dst_sf, p.w.weights_sf + row * kb, kFp4GemvTileRows * kb, &s.full[stage]);
       }
-      wa[m] = load_nc(w + ra * row_bytes + blk * 16);
-      wb[m] = load_nc(w + rb * row_bytes + blk * 16);
-      sa[m] = __ldg(sf + scale_index(ra, blk, kb, tiles));
-      sb[m] = __ldg(sf + scale_index(rb, blk, kb, tiles));
-    }
-    uint32_t b[8][2];
-    token_fragments(b, x, x_sf, g, lane);
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const uint32_t fa[2] = {relative_factor(sa[m], ea[m]), relative_factor(sa[m], ea[m])};
-      const uint32_t fb[2] = {relative_factor(sb[m], eb[m]), relative_factor(sb[m], eb[m])};
-      const uint32_t wa4[4] = {wa[m].x, wa[m].y, wa[m].z, wa[m].w}, wb4[4] = {wb[m].x, wb[m].y, wb[m].z, wb[m].w};
-      uint32_t a[8][4];
-      decode_rows_bf16(a, wa4, wb4, fa, fb);
-#pragma unroll
-      for (int s = 0; s < 8; ++s) mma_m16n8k16_bf16(acc[m], a[s], b[s][0], b[s][1]);
+      ptx::bulk_load(dst_sf + kFp4GemvTileRows * kb, p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);
+      if (++stage == p.stages) stage = 0, phase ^= 1;
     }
   }
 }
 
-// One CTA item of 64 rows (four m16 tiles from r0) of expert `id` (n rows of k): every warp its share of the 128-K groups,
-// each row's sums times 2^(e - 127) (its largest scale byte e; 255: NaN, as on the FP8-wgmma path), then the warps'
-// partials in shared memory; returns after a barrier, part[w][i] = warp w's sum of item row i.
-__device__ __forceinline__ void gemv_item(float (&part)[kGemvWarps][kGemvRows], const Fp4GemvLayer& layer, int id, int n,
-                                          int k, const int (&r0)[4], const uint8_t* x, const uint8_t* x_sf) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int groups = k / 128;
-  const uint8_t* row_exp = layer.row_exp + int64_t(id) * n;
-  uint32_t ea[4], eb[4];
+// One tile (16 rows) times the token over this warp's 128-K groups [g_begin, g_end), into acc (m16n8 accumulators:
+// column 0 in lanes 4i, registers 0 (row i) and 2 (row i + 8)), relative to the rows' largest scales ea / eb (read
+// here from the stage). Rows are k / 2 bytes apart: lanes of two rows share banks (two-way: ~500 cycles of a tile's
+// ~2,900 of streaming at V4-Flash L1, not the bound).
+__device__ __forceinline__ void consume_tile(float (&acc)[4], uint32_t& ea, uint32_t& eb, const uint8_t* tile,
+                                             const uint32_t* token, bool scale_tiles, int k, int g_begin, int g_end,
+                                             int lane) {
+  const int q = lane % 4, rr = lane / 4, kb = k / 32, row_bytes = k / 2;
+  const uint8_t* sf = tile + kFp4GemvTileRows * row_bytes;
+  ea = sf[kFp4GemvTileRows * kb + rr];
+  eb = sf[kFp4GemvTileRows * kb + rr + 8];
+  for (int g = g_begin; g < g_end; ++g) {
+    const int blk = 4 * g + q;
+    const uint4 wa = *reinterpret_cast<const uint4*>(tile + rr * row_bytes + blk * 16);
+    const uint4 wb = *reinterpret_cast<const uint4*>(tile + (rr + 8) * row_bytes + blk * 16);
+    const int ia = scale_tiles ? (blk / kScaleTileBytes) * (kFp4GemvTileRows * kScaleTileBytes) + rr * kScaleTileBytes +
+                                     blk % kScaleTileBytes
+                               : rr * kb + blk;
+    const int ib = scale_tiles ? ia + 8 * kScaleTileBytes : ia + 8 * kb;
+    uint32_t b[8][2] = {};
+    if (lane < 4) {
+      const uint4* t = reinterpret_cast<const uint4*>(token + blk * 16);
 #pragma unroll
-  for (int m = 0; m < 4; ++m) ea[m] = __ldg(row_exp + r0[m] + lane / 4), eb[m] = __ldg(row_exp + r0[m] + lane / 4 + 8);
-  float acc[4][4] = {};
-  gemv_tiles(acc, layer.weights + int64_t(id) * n * (k / 2), layer.weights_sf + int64_t(id) * n * (k / 32),
-             layer.scale_tiles, k, r0, ea, eb, x, x_sf, warp * groups / kGemvWarps, (warp + 1) * groups / kGemvWarps,
-             lane);
-  if (lane % 4 == 0) {
+      for (int i = 0; i < 4; ++i) {
+        const uint4 v = t[i];
+        b[2 * i][0] = v.x, b[2 * i][1] = v.y, b[2 * i + 1][0] = v.z, b[2 * i + 1][1] = v.w;
+      }
+    }
+    const uint32_t fa[2] = {relative_factor(sf[ia], ea), relative_factor(sf[ia], ea)};
+    const uint32_t fb[2] = {relative_factor(sf[ib], eb), relative_factor(sf[ib], eb)};
+    const uint32_t wa4[4] = {wa.x, wa.y, wa.z, wa.w}, wb4[4] = {wb.x, wb.y, wb.z, wb.w};
+    uint32_t a[8][4];
+    decode_rows_bf16(a, wa4, wb4, fa, fb);
+#pragma unroll
+    for (int s = 0; s < 8; ++s) mma_m16n8k16_bf16(acc, a[s], b[s][0], b[s][1]);
+  }
+}
+
+// Consumer warps: every item of the CTA whose slot holds a valid id, in the producer's order: its four tiles, each
+// row's sums times 2^(e - 127) (its largest scale byte e; 255: NaN, as on the FP8-wgmma path) into part[parity][warp],
+// a consumer barrier, then epilogue(part of the item, slot, item index in the slot) by the first warps. The token of
+// slot j is B fragments at token + j x token_words.
+template <typename RowsOf, typename Epilogue>
+__device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
+                                        int token_words, RowsOf rows_of, Epilogue epilogue) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int groups = p.k / 128, g_begin = warp * groups / kGemvWarps, g_end = (warp + 1) * groups / kGemvWarps;
+  const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k);
+  int stage = 0, parity = 0;
+  uint32_t phase = 0;
+  const int total = p.items * p.slots;
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    const int slot = item / p.items;
+    const int id = __ldcg(ids + slot);
+    if (id < 0 || id >= num_experts) continue;  // the producer skips it too
+    const uint32_t* token = s.token + slot * token_words;
+    float acc[4][4] = {};
+    uint32_t ea[4], eb[4];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-      part[warp][16 * m + lane / 4] = acc[m][0] * ue8m0_float(ea[m]);
-      part[warp][16 * m + lane / 4 + 8] = acc[m][2] * ue8m0_float(eb[m]);
+      ptx::mbarrier_wait(&s.full[stage], phase);
+      consume_tile(acc[m], ea[m], eb[m], s.ring + stage * stage_bytes, token, p.w.scale_tiles, p.k, g_begin, g_end,
+                   lane);
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
+      if (++stage == p.stages) stage = 0, phase ^= 1;
     }
+    if (lane % 4 == 0) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        s.part[parity][warp][16 * m + lane / 4] = acc[m][0] * ue8m0_float(ea[m]);
+        s.part[parity][warp][16 * m + lane / 4 + 8] = acc[m][2] * ue8m0_float(eb[m]);
+      }
+    }
+    // One barrier an item: part[parity] is written again two items on, after every warp passed the next barrier,
+    // hence after this item's epilogue.
+    ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
+    epilogue(s.part[parity], slot, item % p.items);
+    parity ^= 1;
   }
-  __syncthreads();
 }
 
 __device__ __forceinline__ float warps_sum(const float (&part)[kGemvWarps][kGemvRows], int i) {
@@ -152,86 +238,123 @@ __device__ __forceinline__ float warps_sum(const float (&part)[kGemvWarps][kGemv
   return s;
 }
 
-// L1: CTA (slot, 32-output block ob). The 32 gate rows of outputs [32 ob, 32 ob + 32) and their up rows, 64 further
-// (transform_weights' interleave: chunk 2j = gate rows [64j, 64j + 64), chunk 2j + 1 = the matching up rows).
-template <bool kFast>
-__global__ void __launch_bounds__(kGemvThreads) fp4_gemv_l1_kernel(Fp4GemvLayer w13, uint8_t* buffer,
-                                                                   layout::BufferLayout l, float clamp,
-                                                                   int* recv_stats) {
-  ptx::grid_dependency_wait();  // pre_dispatch's token, ids and weights
-  ptx::launch_dependents();
-  const int inter = static_cast<int>(l.intermediate), hidden = static_cast<int>(l.hidden);
-  const int blocks = inter / kL1Outputs;
-  const int slot = blockIdx.x / blocks, ob = blockIdx.x % blocks;
-  const int id = __ldcg(reinterpret_cast<const int*>(buffer + l.topk_idx_offset) + slot);  // token 0
-  const bool valid = id >= 0 && id < l.num_experts;
-  if (ob == 0 && threadIdx.x == 0) {  // as routing: bad ids reported, valid slots counted (a repeated id twice)
-    if (!valid && id != -1) record_error(buffer, l, layout::kErrorExpertId, id, 0, slot);
-    if (valid && recv_stats != nullptr) atomicAdd(recv_stats + id, 1);
+__device__ __forceinline__ void init_ring(const GemvSmem& s, int stages) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < stages; ++i) ptx::mbarrier_init(&s.full[i], 1), ptx::mbarrier_init(&s.empty[i], kGemvWarps);
+    ptx::fence_barrier_init();
   }
-  if (!valid) return;  // block-uniform
-  __shared__ float part[kGemvWarps][kGemvRows];
-  const int i0 = ob * kL1Outputs, gate0 = 128 * (i0 / 64) + i0 % 64;
-  const int r0[4] = {gate0, gate0 + 16, gate0 + 64, gate0 + 80};
-  gemv_item(part, w13, id, 2 * inter, hidden, r0, buffer + l.x_offset, buffer + l.x_sf_offset);
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x;
-  const float g = __bfloat162float(__float2bfloat16_rn(warps_sum(part, lane)));
-  const float u = __bfloat162float(__float2bfloat16_rn(warps_sum(part, kL1Outputs + lane)));
-  const float a = swiglu_value<kFast>(g, u, __ldcg(reinterpret_cast<const float*>(buffer + l.topk_weights_offset) + slot),
-                                      clamp);
-  const float amax = warp_reduce_max<32>(fabsf(a));
-  const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / kFP8Max);
-  buffer[l.pool_offset + int64_t(slot) * inter + i0 + lane] = to_fp8(a * pow2_reciprocal(scale));
-  if (lane == 0) buffer[l.pool_sf_offset + int64_t(slot) * blocks + ob] = ue8m0_bits(scale);
+  __syncthreads();
 }
 
-// L2: CTA (slot, 64-row block rb) -> bf16 rows of the slot's combine row.
-__global__ void __launch_bounds__(kGemvThreads) fp4_gemv_l2_kernel(Fp4GemvLayer w2, uint8_t* buffer,
-                                                                   layout::BufferLayout l) {
-  const int inter = static_cast<int>(l.intermediate), hidden = static_cast<int>(l.hidden);
-  const int blocks = hidden / kGemvRows;
-  const int slot = blockIdx.x / blocks, rb = blockIdx.x % blocks;
-  // Before the dependency wait: pre_dispatch wrote the ids, and L1 triggered this grid only after its own wait for
-  // pre_dispatch (every kernel of the chain triggers after its wait; see combine_kernel).
-  const int id = __ldcg(reinterpret_cast<const int*>(buffer + l.topk_idx_offset) + slot);
-  const int row0 = rb * kGemvRows;
-  if (id >= 0 && id < l.num_experts) {
-    // The item's weight rows (64 x inter / 2 contiguous bytes) asked of L2 while L1 finishes: this CTA became resident
-    // as an L1 CTA left its SM. One 128-byte line per request.
-    const uint8_t* rows = w2.weights + (int64_t(id) * hidden + row0) * (inter / 2);
-    for (int line = threadIdx.x; line < kGemvRows * inter / 2 / 128; line += kGemvThreads)
-      ptx::prefetch_l2(rows + int64_t(line) * 128);
+// L1: item ob of a slot = the 32 gate rows of outputs [32 ob, 32 ob + 32) and their up rows, 64
+// further (transform_weights' interleave: chunk 2j = gate rows [64j, 64j + 64), chunk 2j + 1 = the matching up rows).
+template <bool kFast>
+__global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p, uint8_t* buffer,
+                                                                      layout::BufferLayout l, float clamp,
+                                                                      int* recv_stats) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);
+  const GemvSmem s = carve(smem, hidden / 32);
+  init_ring(s, p.stages);
+  ptx::grid_dependency_wait();  // pre_dispatch's token, ids and weights
+  ptx::launch_dependents();
+  const int* ids = reinterpret_cast<const int*>(buffer + l.topk_idx_offset);  // token 0's slots
+  const int num_experts = static_cast<int>(l.num_experts);
+  auto rows_of = [](int ob, int (&r0)[4]) {
+    const int i0 = ob * kL1Outputs, gate0 = 128 * (i0 / 64) + i0 % 64;
+    r0[0] = gate0, r0[1] = gate0 + 16, r0[2] = gate0 + 64, r0[3] = gate0 + 80;
+  };
+  const int warp = threadIdx.x / 32;
+  if (warp == kGemvWarps) {
+    if (threadIdx.x % 32 == 0) produce(s, p, ids, num_experts, rows_of);
+    return;
+  }
+  for (int slot = threadIdx.x; blockIdx.x == 0 && slot < p.slots; slot += 32 * kGemvWarps) {  // as routing: bad ids
+    const int id = __ldcg(ids + slot);                                                            // reported, valid
+    if ((id < 0 || id >= num_experts) && id != -1) record_error(buffer, l, layout::kErrorExpertId, id, 0, slot);
+    if (id >= 0 && id < num_experts && recv_stats != nullptr) atomicAdd(recv_stats + id, 1);  // slots counted
+  }
+  convert_token(s.token, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
+  ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
+  const float* weights = reinterpret_cast<const float*>(buffer + l.topk_weights_offset);
+  consume(s, p, ids, num_experts, 0, rows_of, [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int ob) {
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x, blocks = inter / kL1Outputs;
+    const float g = __bfloat162float(__float2bfloat16_rn(warps_sum(part, lane)));
+    const float u = __bfloat162float(__float2bfloat16_rn(warps_sum(part, kL1Outputs + lane)));
+    const float a = swiglu_value<kFast>(g, u, __ldcg(weights + slot), clamp);
+    const float amax = warp_reduce_max<32>(fabsf(a));
+    const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / kFP8Max);
+    buffer[l.pool_offset + int64_t(slot) * inter + ob * kL1Outputs + lane] = to_fp8(a * pow2_reciprocal(scale));
+    if (lane == 0) buffer[l.pool_sf_offset + int64_t(slot) * blocks + ob] = ue8m0_bits(scale);
+  });
+}
+
+// L2: item rb of a slot = weight rows [64 rb, 64 rb + 64) -> bf16 of the slot's combine row.
+__global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p, uint8_t* buffer,
+                                                                      layout::BufferLayout l) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);
+  const int top_k = p.slots;
+  const GemvSmem s = carve(smem, top_k * (inter / 32));
+  init_ring(s, p.stages);
+  const int* ids = reinterpret_cast<const int*>(buffer + l.topk_idx_offset);
+  const int num_experts = static_cast<int>(l.num_experts);
+  auto rows_of = [](int rb, int (&r0)[4]) {
+    for (int m = 0; m < 4; ++m) r0[m] = rb * kGemvRows + kFp4GemvTileRows * m;
+  };
+  const int warp = threadIdx.x / 32;
+  if (warp == kGemvWarps) {
+    // The producer streams weights before L1 ends (they do not depend on it) and reads the ids before the dependency
+    // wait: pre_dispatch wrote them, and L1 triggered this grid only after its own wait for pre_dispatch (every kernel
+    // of the chain triggers after its wait; see combine_kernel). It does not wait at all: this grid's end (combine's
+    // wait) follows the consumers', which wait.
+    if (threadIdx.x % 32 == 0) produce(s, p, ids, num_experts, rows_of);
+    return;
   }
   ptx::grid_dependency_wait();  // L1's outputs
   ptx::launch_dependents();
-  if (id < 0 || id >= l.num_experts) return;  // block-uniform; the combine skips the slot
-  __shared__ float part[kGemvWarps][kGemvRows];
-  const int r0[4] = {row0, row0 + 16, row0 + 32, row0 + 48};
-  gemv_item(part, w2, id, hidden, inter, r0, buffer + l.pool_offset + int64_t(slot) * inter,
-            buffer + l.pool_sf_offset + int64_t(slot) * (inter / 32));
-  if (threadIdx.x >= kGemvRows) return;
-  __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(buffer + l.combine_offset) + int64_t(slot) * hidden;  // token 0
-  out[row0 + threadIdx.x] = __float2bfloat16_rn(warps_sum(part, threadIdx.x));
+  for (int slot = 0; slot < top_k; ++slot)
+    convert_token(s.token + slot * (inter / 32) * 16, buffer + l.pool_offset + int64_t(slot) * inter,
+                  buffer + l.pool_sf_offset + int64_t(slot) * (inter / 32), inter / 32);
+  ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
+  __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(buffer + l.combine_offset);  // token 0's slots
+  consume(s, p, ids, num_experts, (inter / 32) * 16, rows_of,
+          [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int rb) {
+            if (threadIdx.x >= kGemvRows) return;
+            out[int64_t(slot) * hidden + rb * kGemvRows + threadIdx.x] = __float2bfloat16_rn(warps_sum(part, threadIdx.x));
+          });
 }
 
 }  // namespace
 
 void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* buffer, const layout::BufferLayout& layout,
-                     float activation_clamp, bool fast_math, int* recv_stats, cudaStream_t stream) {
-  if (layout.num_ranks != 1 || layout.hidden % 128 != 0 || layout.intermediate % 128 != 0)
-    throw std::runtime_error("megamoe: the FP4 GEMV path takes one rank and hidden, intermediate multiples of 128");
+                     float activation_clamp, bool fast_math, int* recv_stats, int num_sms, cudaStream_t stream) {
   const int top_k = static_cast<int>(layout.top_k);
-  const dim3 l1_grid(top_k * static_cast<int>(layout.intermediate / kL1Outputs));
-  if (fast_math)
-    launch_pdl(fp4_gemv_l1_kernel<true>, l1_grid, dim3(kGemvThreads), 0, stream, l1, buffer, layout, activation_clamp,
+  const int hidden = static_cast<int>(layout.hidden), inter = static_cast<int>(layout.intermediate);
+  const int l1_stages = heuristics::fp4_gemv_stages(hidden, hidden / 32);
+  const int l2_stages = heuristics::fp4_gemv_stages(inter, top_k * (inter / 32));
+  if (layout.num_ranks != 1 || hidden % 128 != 0 || inter % 128 != 0 || l1_stages < 2 || l2_stages < 2)
+    throw std::runtime_error("megamoe: the FP4 GEMV path takes one rank, hidden and intermediate multiples of 128 and "
+                             "two ring stages of each layer (heuristics::fp4_gemv)");
+  const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, l1_stages};
+  const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, l2_stages};
+  // Persistent CTAs, one an SM (the ring takes most of its shared memory), over items x top_k items.
+  const dim3 g1(std::min(num_sms, p1.items * top_k)), g2(std::min(num_sms, p2.items * top_k));
+  const int smem1 = heuristics::fp4_gemv_smem_bytes(hidden, hidden / 32, l1_stages);
+  const int smem2 = heuristics::fp4_gemv_smem_bytes(inter, top_k * (inter / 32), l2_stages);
+  if (fast_math) {
+    allow_dynamic_smem<fp4_gemv_l1_kernel<true>>(heuristics::kFp4GemvSmemLimit);
+    launch_pdl(fp4_gemv_l1_kernel<true>, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout, activation_clamp,
                recv_stats);
-  else
-    launch_pdl(fp4_gemv_l1_kernel<false>, l1_grid, dim3(kGemvThreads), 0, stream, l1, buffer, layout, activation_clamp,
+  } else {
+    allow_dynamic_smem<fp4_gemv_l1_kernel<false>>(heuristics::kFp4GemvSmemLimit);
+    launch_pdl(fp4_gemv_l1_kernel<false>, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout, activation_clamp,
                recv_stats);
+  }
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
-  launch_pdl(fp4_gemv_l2_kernel, dim3(top_k * static_cast<int>(layout.hidden / kGemvRows)), dim3(kGemvThreads), 0,
-             stream, l2, buffer, layout);
+  allow_dynamic_smem<fp4_gemv_l2_kernel>(heuristics::kFp4GemvSmemLimit);
+  launch_pdl(fp4_gemv_l2_kernel, g2, dim3(kGemvThreads), smem2, stream, p2, buffer, layout);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -40,13 +40,16 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   const float clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
   int* recv_stats_ptr = recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr;
   // One token on one rank: GEMVs over its experts instead of routing, gather and the tile walk (heuristics::fp4_gemv).
-  // Its lanes load 16-byte pieces of the weight rows: weights off that alignment (a sliced tensor; transform_weights
-  // never returns one) take the tile walk, whose tensor maps refuse them with an error.
-  const bool weights_aligned = reinterpret_cast<uintptr_t>(l1_weights.data_ptr()) % 16 == 0 &&
-                               reinterpret_cast<uintptr_t>(l2_weights.data_ptr()) % 16 == 0;
+  // It copies 16-row pieces of the weights, scales and row exponents with cp.async.bulk (16-byte aligned): tensors off
+  // that alignment (sliced; transform_weights never returns one) take the tile walk, whose tensor maps refuse
+  // misaligned weights with an error.
+  const auto aligned16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  const bool weights_aligned = aligned16(l1_weights) && aligned16(l2_weights) && aligned16(l1_weights_sf) &&
+                               aligned16(l2_weights_sf) && aligned16(l1_weights_global_sf) &&
+                               aligned16(l2_weights_global_sf);
   if (weights_aligned &&
       heuristics::fp4_gemv(t, l.num_ranks, format == WeightFormat::kMXFP4 && args.recipe == ActRecipe::kFP8UE8M0Block32,
-                           l.hidden, l.intermediate)) {
+                           l.hidden, l.intermediate, l.top_k)) {
     auto layer = [&](const at::Tensor& w, const at::Tensor& sf, const at::Tensor& row_exp, int64_t n, int64_t k) {
       return kernels::Fp4GemvLayer{static_cast<const uint8_t*>(w.data_ptr()), static_cast<const uint8_t*>(sf.data_ptr()),
                                    row_exp.data_ptr<uint8_t>(), fp4_scale_tiles(format, n, k)};
@@ -54,7 +57,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
     uint8_t* b = buffer_ptr(buffer);
     kernels::launch_fp4_gemv(layer(l1_weights, l1_weights_sf, l1_weights_global_sf, 2 * l.intermediate, l.hidden),
                              layer(l2_weights, l2_weights_sf, l2_weights_global_sf, l.hidden, l.intermediate), b, l,
-                             clamp, fast_math, recv_stats_ptr, stream);
+                             clamp, fast_math, recv_stats_ptr, sms, stream);
     kernels::launch_combine(y.data_ptr(), b, l, static_cast<int>(args.buf.rank), t, sms, stream);
     return;
   }
