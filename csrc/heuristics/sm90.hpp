@@ -262,7 +262,8 @@ inline bool choose_mxfp4_fp8_mma() {
 // forty-second session).
 constexpr int kFp4GemvTileRows = 16;     // rows of a ring stage: one m16 tile
 constexpr int kFp4GemvMaxStages = 8;
-constexpr int kFp4GemvHeaderBytes = 128;  // the ring's full / empty barriers
+constexpr int kFp4GemvMaxSlots = 64;       // top_k
+constexpr int kFp4GemvHeaderBytes = 2 * kFp4GemvMaxStages * 8 + 4 * kFp4GemvMaxSlots;  // ring barriers, slot ids
 constexpr int kFp4GemvPartBytes = 2 * 8 * 64 * 4;  // the consumer warps' partial sums, two items
 constexpr int kFp4GemvSmemLimit = 232448;  // H100 / H200 / H20: 227 KB of dynamic shared memory a CTA
 // A ring stage: 16 rows of k (E2M1), their k / 32 scale bytes and their 16 row exponents, rounded up to 128 bytes.
@@ -282,7 +283,8 @@ inline int fp4_gemv_stages(int64_t k, int64_t token_blocks) {
 }
 inline bool fp4_gemv(int64_t num_tokens, int64_t num_ranks, bool mxfp4_fp8_tokens, int64_t hidden,
                      int64_t intermediate, int64_t top_k) {
-  if (num_tokens != 1 || num_ranks != 1 || !mxfp4_fp8_tokens || hidden % 128 != 0 || intermediate % 128 != 0)
+  if (num_tokens != 1 || num_ranks != 1 || !mxfp4_fp8_tokens || hidden % 128 != 0 || intermediate % 128 != 0 ||
+      top_k > kFp4GemvMaxSlots)
     return false;
   if (fp4_gemv_stages(hidden, hidden / 32) < 2 || fp4_gemv_stages(intermediate, top_k * (intermediate / 32)) < 2)
     return false;

@@ -40,7 +40,8 @@ constexpr int kGemvRows = 4 * kFp4GemvTileRows;  // weight rows per item: four m
 constexpr int kL1Outputs = 32;  // L1 outputs per item: one UE8M0 block (32 gate rows and their 32 up rows)
 constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warps (0 is __syncthreads)
 static_assert(heuristics::kFp4GemvPartBytes == 2 * kGemvWarps * kGemvRows * 4, "partial sums: two items");
-static_assert(heuristics::kFp4GemvHeaderBytes >= 2 * heuristics::kFp4GemvMaxStages * 8, "full and empty barriers");
+static_assert(heuristics::kFp4GemvHeaderBytes >= 2 * heuristics::kFp4GemvMaxStages * 8 + 4 * heuristics::kFp4GemvMaxSlots,
+              "full and empty barriers, slot ids");
 
 __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -72,6 +73,7 @@ struct GemvPass {
 struct GemvSmem {
   uint64_t* full;
   uint64_t* empty;
+  int* ids;  // the token's slots' expert ids (read once: a global load an item stalled every warp ~10 % of L1's time)
   float (*part)[kGemvWarps][kGemvRows];
   uint32_t* token;
   uint8_t* ring;
@@ -81,6 +83,7 @@ __device__ __forceinline__ GemvSmem carve(uint8_t* smem, int token_blocks) {
   GemvSmem s;
   s.full = reinterpret_cast<uint64_t*>(smem);
   s.empty = s.full + heuristics::kFp4GemvMaxStages;
+  s.ids = reinterpret_cast<int*>(s.empty + heuristics::kFp4GemvMaxStages);
   s.part = reinterpret_cast<float (*)[kGemvWarps][kGemvRows]>(smem + heuristics::kFp4GemvHeaderBytes);
   s.token = reinterpret_cast<uint32_t*>(smem + heuristics::kFp4GemvHeaderBytes + 2 * kGemvWarps * kGemvRows * 4);
   s.ring = reinterpret_cast<uint8_t*>(s.token) + heuristics::fp4_gemv_token_bytes(token_blocks);
@@ -119,7 +122,7 @@ __device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, co
   uint32_t phase = 0;
   const int total = p.items * p.slots;
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
-    const int id = __ldcg(ids + item / p.items);
+    const int id = ids[item / p.items];
     if (id < 0 || id >= num_experts) continue;
     int r0[4];
     rows_of(item % p.items, r0);
@@ -202,7 +205,7 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
   const int total = p.items * p.slots;
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
     const int slot = item / p.items;
-    const int id = __ldcg(ids + slot);
+    const int id = ids[slot];
     if (id < 0 || id >= num_experts) continue;  // the producer skips it too
     const uint32_t* token = s.token + slot * token_words;
     float acc[4][4] = {};
@@ -238,11 +241,13 @@ __device__ __forceinline__ float warps_sum(const float (&part)[kGemvWarps][kGemv
   return s;
 }
 
-__device__ __forceinline__ void init_ring(const GemvSmem& s, int stages) {
+// The ring's barriers, and the slots' ids into shared memory (pre_dispatch wrote them: read after its grid ended).
+__device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const int* ids, int slots) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < stages; ++i) ptx::mbarrier_init(&s.full[i], 1), ptx::mbarrier_init(&s.empty[i], kGemvWarps);
     ptx::fence_barrier_init();
   }
+  for (int slot = threadIdx.x; slot < slots; slot += kGemvThreads) s.ids[slot] = __ldcg(ids + slot);
   __syncthreads();
 }
 
@@ -255,10 +260,10 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
   extern __shared__ __align__(128) uint8_t smem[];
   const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);
   const GemvSmem s = carve(smem, hidden / 32);
-  init_ring(s, p.stages);
   ptx::grid_dependency_wait();  // pre_dispatch's token, ids and weights
   ptx::launch_dependents();
-  const int* ids = reinterpret_cast<const int*>(buffer + l.topk_idx_offset);  // token 0's slots
+  init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), p.slots);  // token 0's slots
+  const int* ids = s.ids;
   const int num_experts = static_cast<int>(l.num_experts);
   auto rows_of = [](int ob, int (&r0)[4]) {
     const int i0 = ob * kL1Outputs, gate0 = 128 * (i0 / 64) + i0 % 64;
@@ -270,7 +275,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
     return;
   }
   for (int slot = threadIdx.x; blockIdx.x == 0 && slot < p.slots; slot += 32 * kGemvWarps) {  // as routing: bad ids
-    const int id = __ldcg(ids + slot);                                                            // reported, valid
+    const int id = ids[slot];                                                                     // reported, valid
     if ((id < 0 || id >= num_experts) && id != -1) record_error(buffer, l, layout::kErrorExpertId, id, 0, slot);
     if (id >= 0 && id < num_experts && recv_stats != nullptr) atomicAdd(recv_stats + id, 1);  // slots counted
   }
@@ -297,18 +302,18 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
   const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);
   const int top_k = p.slots;
   const GemvSmem s = carve(smem, top_k * (inter / 32));
-  init_ring(s, p.stages);
-  const int* ids = reinterpret_cast<const int*>(buffer + l.topk_idx_offset);
+  // The ids before the dependency wait: pre_dispatch wrote them, and L1 triggered this grid only after its own wait for
+  // pre_dispatch (every kernel of the chain triggers after its wait; see combine_kernel).
+  init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), top_k);
+  const int* ids = s.ids;
   const int num_experts = static_cast<int>(l.num_experts);
   auto rows_of = [](int rb, int (&r0)[4]) {
     for (int m = 0; m < 4; ++m) r0[m] = rb * kGemvRows + kFp4GemvTileRows * m;
   };
   const int warp = threadIdx.x / 32;
   if (warp == kGemvWarps) {
-    // The producer streams weights before L1 ends (they do not depend on it) and reads the ids before the dependency
-    // wait: pre_dispatch wrote them, and L1 triggered this grid only after its own wait for pre_dispatch (every kernel
-    // of the chain triggers after its wait; see combine_kernel). It does not wait at all: this grid's end (combine's
-    // wait) follows the consumers', which wait.
+    // The producer streams weights before L1 ends (they do not depend on it). It does not wait at all: this grid's end
+    // (combine's wait) follows the consumers', which wait.
     if (threadIdx.x % 32 == 0) produce(s, p, ids, num_experts, rows_of);
     return;
   }
@@ -334,9 +339,10 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
   const int hidden = static_cast<int>(layout.hidden), inter = static_cast<int>(layout.intermediate);
   const int l1_stages = heuristics::fp4_gemv_stages(hidden, hidden / 32);
   const int l2_stages = heuristics::fp4_gemv_stages(inter, top_k * (inter / 32));
-  if (layout.num_ranks != 1 || hidden % 128 != 0 || inter % 128 != 0 || l1_stages < 2 || l2_stages < 2)
-    throw std::runtime_error("megamoe: the FP4 GEMV path takes one rank, hidden and intermediate multiples of 128 and "
-                             "two ring stages of each layer (heuristics::fp4_gemv)");
+  if (layout.num_ranks != 1 || hidden % 128 != 0 || inter % 128 != 0 || top_k > heuristics::kFp4GemvMaxSlots ||
+      l1_stages < 2 || l2_stages < 2)
+    throw std::runtime_error("megamoe: the FP4 GEMV path takes one rank, hidden and intermediate multiples of 128, top_k "
+                             "<= 64 and two ring stages of each layer (heuristics::fp4_gemv)");
   const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, l1_stages};
   const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, l2_stages};
   // Persistent CTAs, one an SM (the ring takes most of its shared memory), over items x top_k items.
