@@ -7,10 +7,14 @@
 // up rows, one UE8M0 block of outputs; L2: 64 output rows), four m16 tiles of 16 contiguous rows. One persistent CTA
 // per SM takes items in turn (item = blockIdx.x + i x gridDim.x): a producer lane streams each tile's rows, scale bytes
 // and row exponents into a ring of shared-memory stages with cp.async.bulk (contiguous bytes: one copy of the rows),
-// and 8 consumer warps split every tile's K by 128-K groups.
-// NOTES: v1 (forty-second session) had each lane load its 16-byte pieces straight from global memory, CTAs of one item
-// (2.9 waves on 132 SMs, 4 groups a warp): latency-bound at ~1.2 TB/s (H100, V4-Flash T=1: L1 41 µs, L2 32 µs; the
-// whole call 1.15x the tile walk's time). The ring keeps 100+ KB a SM in flight.
+// and 16 consumer warps split every tile's K by 128-K groups.
+// NOTES (H100, 2026-11-27, forty-second session; docs/perf-notes.md): v1 had each lane load its 16-byte pieces straight
+// from global memory, CTAs of one item (2.9 waves on 132 SMs, 4 groups a warp): latency-bound at ~1.2 TB/s (V4-Flash
+// T=1: L1 41 µs, L2 32 µs; the call 1.15x the tile walk's time). This ring form: V4-Flash T=1 0.89-0.93x the walk's
+// time, V4-Pro 0.98-1.01x; L1 ~30 µs for 52 MB (ncu: 1.8 TB/s, 0.5 issued warps a scheduler, the ALU pipe 40 %
+// busy, 14 % of warp samples waiting on a full stage). The consumers' decode (~200 instructions a 128-K group and
+// lane: 2 a weight) bounds it; 8 consumer warps, or two accumulator chains, or the group loop unrolled twice were
+// no faster (the last 1.17x slower).
 // Each lane decodes its 32-K block of two rows as the BF16 tile path does (decode_rows_bf16), but relative to each
 // row's largest scale byte (transform_weights' row exponents, as the FP8-wgmma path: e2m1 x 2^(s - e), exact in bf16
 // for every scale byte) into mma.sync m16n8k16 A fragments, and multiplies the token's B fragments (column 0; lanes
@@ -34,7 +38,7 @@ using fp4::decode_rows_bf16;
 using fp4::fp8_pair_bf16;
 using heuristics::kFp4GemvTileRows;
 
-constexpr int kGemvWarps = 8;  // consumer warps; one more warp produces
+constexpr int kGemvWarps = 16;  // consumer warps (8: 3-4 % slower at V4-Flash T=1, the same at V4-Pro); one more produces
 constexpr int kGemvThreads = 32 * (kGemvWarps + 1);
 constexpr int kGemvRows = 4 * kFp4GemvTileRows;  // weight rows per item: four m16 tiles
 constexpr int kL1Outputs = 32;  // L1 outputs per item: one UE8M0 block (32 gate rows and their 32 up rows)
