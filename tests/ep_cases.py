@@ -109,10 +109,11 @@ class Layer:
 
     def ep1(self, x, idx, w) -> torch.Tensor:
         """The single-GPU result of the global batch (all experts, a plain buffer). Without the FP4 split K of the last
-        round, which only one rank takes (heuristics::fp4_split_round): its partial sums add in another order."""
+        round and the FP4 GEMV path for one token, which only one rank takes (heuristics::fp4_split_round, fp4_gemv):
+        their sums add in another order."""
         buf = megamoe.get_symm_buffer(None, self.num_experts, max(x.shape[0], 1), self.top_k, self.hidden,
                                       self.intermediate, act_format=self.act_format, device=self.device)
-        with env_set("MEGAMOE_FP4_SPLIT_ROUND", "0"):
+        with env_set("MEGAMOE_FP4_SPLIT_ROUND", "0"), env_set("MEGAMOE_FP4_GEMV", "0"):
             return megamoe.moe(x, idx, w, self.l1, self.l2, buf, weight_format=self.weight_format, check=True)
 
     def moe(self, x, idx, w, buf, **kw) -> torch.Tensor:

@@ -86,6 +86,7 @@ def test_mxfp4_fp8_mma_path(act_format, shape, num_tokens, monkeypatch):
     if num_tokens > 100:
         skew_first_slot(case, e)
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "0")  # not inherited from the caller's environment
+    monkeypatch.setenv("MEGAMOE_FP4_GEMV", "0")  # T=1: the tile walks, not the GEMV path
     bf16 = run_poisoned(case)
     monkeypatch.setenv("MEGAMOE_MXFP4_FP8MMA", "1")
     y = run_poisoned(case)
@@ -566,6 +567,7 @@ def test_split_last_round(weight_format, act_format, shape, num_tokens, monkeypa
     e, h, i, k = shape
     case = make_case(e, h, i, k, num_tokens, weight_format, act_format, device="cuda", seed=97 * num_tokens + e)
     block_m = 16
+    monkeypatch.setenv("MEGAMOE_FP4_GEMV", "0")  # T=1: the tile walk, which the split is part of
     monkeypatch.setenv("MEGAMOE_FP4_BLOCK_M", "32")
     monkeypatch.setenv("MEGAMOE_FP4_SPLIT_ROUND", "2")
     at_32 = run_split_poisoned(case)
@@ -927,3 +929,142 @@ def test_mxfp4_w4a4_fold_split_equals_converters_split(num_tokens, monkeypatch):
     assert rel_err(converters, case.ref) <= (TOL if num_tokens * k > 100 else 5e-2)
     assert torch.equal(run(True), converters)
     assert torch.equal(run(True), converters)  # run to run
+
+
+# ------------------------------------------------------------------------------------------------
+# The GEMV path: one token on one rank, MXFP4 weights with FP8 tokens (heuristics::fp4_gemv)
+# ------------------------------------------------------------------------------------------------
+def run_marked(case, **kwargs):
+    """run_poisoned with routing's first per-expert row count poisoned first; returns (y, whether routing rewrote it,
+    i.e. whether the tile walk took the call: the GEMV path runs no routing)."""
+    buf, off = case.buffer.buffer, case.buffer.layout["expert_count_offset"]
+    buf[off:off + 4].fill_(0x7F)
+    y = run_poisoned(case, **kwargs)
+    return y, not bool((buf[off:off + 4] == 0x7F).all())
+
+
+@pytest.mark.parametrize("shape", [(8, 256, 384, 3), (16, 1024, 512, 4), (64, 640, 896, 8)],
+                         ids=["row-scales", "scale-tiles", "odd"])
+@pytest.mark.parametrize("clamp,fast_math", [(None, True), (0.5, False)], ids=["plain", "clamp-exact"])
+def test_fp4_gemv_one_token(shape, clamp, fast_math, monkeypatch):
+    """MXFP4 w4a8 at T=1 on one rank takes the GEMV path (routing does not run) and agrees with the reference and with
+    the tile walk (MEGAMOE_FP4_GEMV=0, which routing shows it took; another summation: within the tolerance, not
+    bitwise); repeated calls are bitwise equal. Shapes: row-major scales (K / 32 not a multiple of 16), scale tiles in
+    both GEMMs, an odd one (hidden 640, intermediate 896: 5 and 7 groups of 128 over 8 warps, some with none). With the
+    clamp biting (x scaled up) and the exact silu."""
+    e, h, i, k = shape
+    case = make_case(e, h, i, k, 1, "mxfp4", "fp8", device="cuda", masked_fraction=0.0, seed=811 + h)
+    if clamp is not None:
+        case.x = case.x * 4
+    ref = case.reference(activation_clamp=clamp)
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    y, routed = run_marked(case, activation_clamp=clamp, fast_math=fast_math)
+    assert not routed, "the default took the tile walk at T=1"
+    assert rel_err(y, ref) <= TOL
+    assert torch.equal(run_poisoned(case, activation_clamp=clamp, fast_math=fast_math), y)
+    monkeypatch.setenv("MEGAMOE_FP4_GEMV", "0")
+    walk, routed = run_marked(case, activation_clamp=clamp, fast_math=fast_math)
+    assert routed
+    assert rel_err(y, walk) <= TOL
+
+
+def test_fp4_gemv_slots_stats_and_errors(monkeypatch):
+    """The GEMV path's slots: a repeated expert counts twice in recv_stats and adds twice, a masked slot (-1) adds
+    nothing, all slots masked give zeros, a bad id is skipped and reported (check=True raises) as routing reports it;
+    against the reference."""
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    case = make_case(8, 256, 384, 4, 1, "mxfp4", "fp8", device="cuda", masked_fraction=0.0, seed=812)
+    idx = torch.tensor([[3, -1, 3, 6]], dtype=case.topk_idx.dtype, device="cuda")
+    case.topk_idx = idx
+    stats = torch.zeros(8, dtype=torch.int32, device="cuda")
+    y, routed = run_marked(case, recv_stats=stats)
+    assert not routed
+    assert torch.equal(stats, torch.bincount(torch.tensor([3, 3, 6]), minlength=8).int().cuda())
+    assert rel_err(y, case.reference(topk_idx=idx)) <= TOL
+    case.topk_idx = torch.full_like(idx, -1)
+    assert torch.equal(run_poisoned(case), torch.zeros_like(case.x))
+    bad = idx.clone()
+    bad[0, 1] = 8  # == num_experts
+    case.topk_idx = bad
+    assert rel_err(run_poisoned(case), case.reference(topk_idx=idx)) <= TOL
+    with pytest.raises(ValueError, match=r"topk_idx.*got 8 at token 0, slot 1"):
+        run_poisoned(case, check=True)
+
+
+@pytest.mark.parametrize("scale_byte", [161, 200, 255])
+def test_fp4_gemv_scale_range(scale_byte, monkeypatch):
+    """The GEMV decodes each weight relative to its row's largest scale (transform_weights' row exponents) and
+    multiplies the row by 2^(e - 127) in float32, as the FP8-wgmma path does: scale bytes past the BF16 path's range
+    (2^33) stay exact, and 255 (NaN) makes the output of a token routed to that expert non-finite."""
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    case, hit = scale_byte_case("fp8", scale_byte)
+    t = int(hit.nonzero()[0, 0])  # one token routed to the expert with the odd scale
+    case.x, case.topk_idx, case.topk_weights = case.x[t:t + 1], case.topk_idx[t:t + 1], case.topk_weights[t:t + 1]
+    y, routed = run_marked(case)
+    assert not routed
+    if scale_byte == 255:
+        assert not torch.isfinite(y).all()
+    else:
+        ref = case.reference()
+        assert torch.isfinite(ref).all()
+        assert rel_err(y, ref) <= TOL
+
+
+def test_fp4_gemv_deepseek_v4_graph(model_layer, monkeypatch):
+    """DeepSeek-V4 shapes at T=1 (MXFP4 w4a8) on the GEMV path (routing does not run): against the reference and the
+    tile walk (MEGAMOE_FP4_GEMV=0), and captured in a CUDA graph replayed with new inputs (a new token, ids with a
+    masked and a repeated slot, new weights): the same bits as an eager call on them."""
+    name, weight_format, (e, k, h, i), (w13, sf13, g13, w2, sf2, g2), l1, l2 = model_layer
+    if weight_format != "mxfp4":
+        pytest.skip("the GEMV path takes MXFP4 weights")
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    buf = megamoe.get_symm_buffer(None, e, 1, k, h, i, act_format="fp8")
+    x = torch.randn(1, h, device="cuda").bfloat16()
+    idx, w = reference.make_random_routing(1, e, k, masked_fraction=0.0, seed=5, device="cuda")
+    out = torch.full_like(x, float("nan"))
+    off = buf.layout["expert_count_offset"]
+    buf.buffer[off:off + 4].fill_(0x7F)
+
+    def step():
+        megamoe.pre_dispatch(x, idx, w, buf, weight_format="mxfp4")
+        megamoe.fp8_fp4_mega_moe(out, l1, l2, buf, weight_format="mxfp4")
+
+    def ref():
+        return reference.mega_moe(x, idx, w, w13, w2, weight_format="mxfp4", act_format="fp8", w13_sf=sf13, w2_sf=sf2,
+                                  w13_global_sf=g13, w2_global_sf=g2)
+
+    graph = capture_graph(step)  # one eager call first, then the capture
+    torch.cuda.synchronize()
+    assert bool((buf.buffer[off:off + 4] == 0x7F).all()), "the tile walk took the call"
+    eager = out.clone()
+    assert rel_err(eager, ref()) <= TOL, name
+    monkeypatch.setenv("MEGAMOE_FP4_GEMV", "0")
+    step()
+    assert rel_err(eager, out) <= TOL, name
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV")
+    x.copy_(torch.randn_like(x))
+    new_idx = idx.clone()
+    new_idx[0, 1], new_idx[0, 2] = -1, new_idx[0, 0]
+    idx.copy_(new_idx)
+    w.copy_(torch.rand_like(w))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = out.clone()
+    out.fill_(float("nan"))
+    step()
+    assert torch.equal(replayed, out)
+    assert rel_err(replayed, ref()) <= TOL, name
+
+
+@pytest.mark.parametrize("clamp", [None, 3.0])
+def test_fp4_gemv_nan_token_is_never_silent(clamp, monkeypatch):
+    """A NaN in the token's hidden state makes its output non-finite on the GEMV path (the token's scale, the clamp
+    and the L1 requantization keep it), as on the tile walk."""
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    case = make_case(8, 256, 384, 3, 1, "mxfp4", "fp8", device="cuda", masked_fraction=0.0, seed=814)
+    case.x = case.x.clone()
+    case.x[0, 17] = float("nan")
+    y, routed = run_marked(case, activation_clamp=clamp)
+    assert not routed
+    assert not torch.isfinite(y).all()

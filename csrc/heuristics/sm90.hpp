@@ -251,6 +251,46 @@ inline bool choose_mxfp4_fp8_mma() {
   return true;
 }
 
+// FP4 GEMV path for one token on one rank (sm90_fp4_gemv.cu; docs/plans/fp4-gemv.md): MXFP4 weights with FP8 tokens,
+// hidden and intermediate multiples of 128, two ring stages of either layer in shared memory (fp4_gemv_stages). Exact
+// products and float32 sums on mma.sync, not the default walk's FP8 wgmmas on folded values: other bits, so not with
+// peers (EP's ranks must round alike whatever their token counts; the EP tests' EP=1 runs turn it off).
+// MEGAMOE_FP4_GEMV=0 (read per call; tests) turns it off; the tile walk's own switches (MEGAMOE_FP4_BLOCK_M,
+// _SPLIT_ROUND, ...) act with it off.
+// NOTES (H100, 2026-11-27, perf-notes forty-second session): the ring form takes V4-Flash T=1 to 0.89-0.93x the walk's
+// time and V4-Pro to 0.98-1.01x (v1, lanes loading straight from global memory, lost: 1.15x / 1.34x).
+constexpr int kFp4GemvTileRows = 16;     // rows of a ring stage: one m16 tile
+constexpr int kFp4GemvMaxStages = 8;
+constexpr int kFp4GemvMaxSlots = 64;       // top_k
+constexpr int kFp4GemvHeaderBytes = 2 * kFp4GemvMaxStages * 8 + 4 * kFp4GemvMaxSlots;  // ring barriers, slot ids
+constexpr int kFp4GemvPartBytes = 2 * 16 * 64 * 4;  // the consumer warps' partial sums, two items
+constexpr int kFp4GemvSmemLimit = 232448;  // H100 / H200 / H20: 227 KB of dynamic shared memory a CTA
+// A ring stage: 16 rows of k (E2M1), their k / 32 scale bytes and their 16 row exponents, rounded up to 128 bytes.
+constexpr int fp4_gemv_stage_bytes(int64_t k) {
+  return static_cast<int>((kFp4GemvTileRows * (k / 2 + k / 32 + 1) + 127) / 128 * 128);
+}
+// The token(s) as bf16 B fragments: 64 bytes a 32-K block.
+constexpr int fp4_gemv_token_bytes(int64_t blocks) { return static_cast<int>(blocks * 64); }
+constexpr int fp4_gemv_smem_bytes(int64_t k, int64_t token_blocks, int stages) {
+  return kFp4GemvHeaderBytes + kFp4GemvPartBytes + fp4_gemv_token_bytes(token_blocks) + stages * fp4_gemv_stage_bytes(k);
+}
+// As many stages as fit, up to kFp4GemvMaxStages (V4-Flash L1 / L2: 6 / 8; V4-Pro: 3 / 6: 100-180 KB a SM in flight,
+// where ~25 KB keep the H100's HBM busy).
+inline int fp4_gemv_stages(int64_t k, int64_t token_blocks) {
+  const int64_t free = kFp4GemvSmemLimit - fp4_gemv_smem_bytes(k, token_blocks, 0);
+  return free <= 0 ? 0 : static_cast<int>(std::min<int64_t>(kFp4GemvMaxStages, free / fp4_gemv_stage_bytes(k)));
+}
+inline bool fp4_gemv(int64_t num_tokens, int64_t num_ranks, bool mxfp4_fp8_tokens, int64_t hidden,
+                     int64_t intermediate, int64_t top_k) {
+  if (num_tokens != 1 || num_ranks != 1 || !mxfp4_fp8_tokens || hidden % 128 != 0 || intermediate % 128 != 0 ||
+      top_k > kFp4GemvMaxSlots)
+    return false;
+  if (fp4_gemv_stages(hidden, hidden / 32) < 2 || fp4_gemv_stages(intermediate, top_k * (intermediate / 32)) < 2)
+    return false;
+  const char* env = std::getenv("MEGAMOE_FP4_GEMV");
+  return env == nullptr || env[0] != '0';
+}
+
 // FP8-wgmma path (MXFP4 weights) with FP8 tokens: the gather folds L1's tokens per 128-K group (one factor each) as it
 // copies them, and L1's epilogue writes L2's input folded the same way, instead of every tile's converter warps folding
 // its tokens again (launch_gather's fold, Params::fold_output). Same folded values, so the same bits.

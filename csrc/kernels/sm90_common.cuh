@@ -475,6 +475,21 @@ __device__ __forceinline__ float min_nan(float a, float b) {
   return d;
 }
 
+// One SwiGLU output from the bf16-rounded gate and up values: clamp (when clamp >= 0; NaN propagates), silu(g) x u x
+// the top-k weight w, in float32, left to right (megamoe.reference's order): the FP4 GEMV's form, the same operations
+// per element as the fragment form below. NOTES: the fragment form calling a scalar form compiled to other SASS (the
+// FP8 kernels' 440 instructions fewer, an NVFP4 L1 kernel spilling 4 bytes; nvcc 13.0, 2026-11-26:
+// benchmarks/patches/fp4-block128-epilogue-warps-rejected.patch), so the measured kernels keep their own loop.
+template <bool kFast>
+__device__ __forceinline__ float swiglu_value(float g, float u, float w, float clamp) {
+  if (clamp >= 0.0f) {
+    g = min_nan(g, clamp);
+    u = min_nan(max_nan(u, -clamp), clamp);
+  }
+  const float silu = kFast ? __fdividef(g, 1.0f + __expf(-g)) : g / (1.0f + expf(-g));
+  return silu * u * w;
+}
+
 // SwiGLU of a thread's L1 accumulator fragment, in place (DESIGN.md §3): gate[i] <- silu(g) * u * col_w[j(i)] with
 // g, u = bf16(gate[i] * f), bf16(up[i] * f), f = col_f[j(i)] when kScaled (FP4: the tokens' dequantization factor),
 // clamped when clamp >= 0; j(i) = (i / 4) * 2 + i % 2 is the m64nN fragment's column (token) of register i. It

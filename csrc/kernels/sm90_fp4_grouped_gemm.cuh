@@ -282,6 +282,18 @@ __device__ __forceinline__ uint32_t act_factor_ue4m3_bf16x2(uint8_t b) {
   return h | (h << 16);
 }
 
+// FP8 (E4M3) bytes 8t + p and 8t + p + 4 of 32 (words w: bytes 4m .. 4m + 3), times f -> a bf16 pair (low half: byte
+// 8t + p), the pair of K that e2m1x2_raw<p> decodes from weight word t. Exact where f is a power of two and the
+// products stay in the bf16 range.
+__device__ __forceinline__ uint32_t fp8_pair_bf16(const uint32_t (&w)[8], int t, int p, float f) {
+  // bytes 8t + p and 8t + p + 4 of the 32: byte p of words 2t and 2t + 1
+  const uint32_t pair = ptx::prmt(w[2 * t], w[2 * t + 1], p | ((4 + p) << 4));
+  const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFF), __NV_E4M3));
+  const float2 v = __half22float2(h);
+  const __nv_bfloat162 b = __floats2bfloat162_rn(v.x * f, v.y * f);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
 // One conversion unit of the token tile: token n, 128-K group g, quarter q (32 physical K) -> 16 bf16
 // pairs in the logical K order of the file comment, into the 128B-swizzled K-major bf16 tile
 // ([4 atoms of 64 K][kBlockM rows][128 bytes]). sfa: the stage's token scales, rows of kBlockM + 4 bytes,
@@ -304,18 +316,9 @@ __device__ __forceinline__ void convert_token_unit(const uint8_t* raw, const uin
     const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     const float f = act_factor_ue8m0_f32(sfa[(4 * g + q) * (kBlockM + 4) + n]);
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
+    for (int t = 0; t < 4; ++t)
 #pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        // bytes 8t + p and 8t + p + 4 of the 32: byte p of words 2t and 2t + 1
-        const uint32_t pair = ptx::prmt(w[2 * t], w[2 * t + 1], p | ((4 + p) << 4));
-        const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFF),
-                                                             __NV_E4M3));
-        const float2 v = __half22float2(h);
-        const __nv_bfloat162 b = __floats2bfloat162_rn(v.x * f, v.y * f);
-        store(t, p, *reinterpret_cast<const uint32_t*>(&b));
-      }
-    }
+      for (int p = 0; p < 4; ++p) store(t, p, fp8_pair_bf16(w, t, p, f));
   } else {
     const uint4 raw4 = *reinterpret_cast<const uint4*>(raw + n * 128 + (((4 * g + q) ^ sw) << 4));
     const uint32_t w[4] = {raw4.x, raw4.y, raw4.z, raw4.w};
@@ -337,6 +340,36 @@ __device__ __forceinline__ void convert_token_unit(const uint8_t* raw, const uin
   }
 }
 
+// MXFP4 weight scale bytes of rows r and r + 8 -> their bf16 pair factors (weight_factor_mx).
+// (b + 94) << 7 in both halves is b * 0x00800080 + 0x2F002F00, one IMAD, for every b <= 160; bytes past that (factors
+// beyond the bf16 range, and 255 = NaN) take weight_factor_mx on a branch that real checkpoints never take (was 7
+// instructions per scale on every path).
+__device__ __forceinline__ void weight_factors_mx(uint32_t sa, uint32_t sb, uint32_t& fa, uint32_t& fb) {
+  fa = sa * 0x00800080u + 0x2F002F00u;
+  fb = sb * 0x00800080u + 0x2F002F00u;
+  if (__builtin_expect(max(sa, sb) > 160u, 0)) fa = weight_factor_mx(sa), fb = weight_factor_mx(sb);
+}
+
+// Rows r and r + 8, 32 K each (four words a row, E2M1 in the kernel's K order), times their block factors (f[0]: the
+// first 16 K, f[1]: the last 16; MXFP4 the same twice) -> the A fragments of 8 k16 steps (the layout of wgmma's
+// register A and of mma.sync m16n8k16's A).
+__device__ __forceinline__ void decode_rows_bf16(uint32_t (&a)[8][4], const uint32_t (&wa)[4], const uint32_t (&wb)[4],
+                                                 const uint32_t (&fa)[2], const uint32_t (&fb)[2]) {
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const uint32_t f0 = fa[t / 2], f1 = fb[t / 2];
+    // step 2t: nibbles 0/4 (cols 2q..) and 1/5 (cols 2q + 8..); step 2t + 1: nibbles 2/6 and 3/7
+    a[2 * t][0] = ptx::mul_bf16x2(e2m1x2_raw<0>(wa[t]), f0);
+    a[2 * t][1] = ptx::mul_bf16x2(e2m1x2_raw<0>(wb[t]), f1);
+    a[2 * t][2] = ptx::mul_bf16x2(e2m1x2_raw<1>(wa[t]), f0);
+    a[2 * t][3] = ptx::mul_bf16x2(e2m1x2_raw<1>(wb[t]), f1);
+    a[2 * t + 1][0] = ptx::mul_bf16x2(e2m1x2_raw<2>(wa[t]), f0);
+    a[2 * t + 1][1] = ptx::mul_bf16x2(e2m1x2_raw<2>(wb[t]), f1);
+    a[2 * t + 1][2] = ptx::mul_bf16x2(e2m1x2_raw<3>(wa[t]), f0);
+    a[2 * t + 1][3] = ptx::mul_bf16x2(e2m1x2_raw<3>(wb[t]), f1);
+  }
+}
+
 // Decodes this thread's part of one (128-K group, 64-row slice): rows r and r + 8 of the slice, 32 K each,
 // into the A fragments of the group's 8 k16 steps.
 template <bool kNV>
@@ -353,29 +386,11 @@ __device__ __forceinline__ void decode_weights(uint32_t (&a)[8][4], const uint8_
     fa[0] = weight_factor_nv(sa & 0xFF), fa[1] = weight_factor_nv(sa >> 8);
     fb[0] = weight_factor_nv(sb & 0xFF), fb[1] = weight_factor_nv(sb >> 8);
   } else {
-    // (b + 94) << 7 in both halves is b * 0x00800080 + 0x2F002F00, one IMAD, for every b <= 160; bytes past
-    // that (factors beyond the bf16 range, and 255 = NaN) take weight_factor_mx on a branch that real
-    // checkpoints never take (was 7 instructions per scale on every path).
-    const uint32_t sa = tile_sw[row * kScaleWordsBytes + 4 * g + q];
-    const uint32_t sb = tile_sw[(row + 8) * kScaleWordsBytes + 4 * g + q];
-    fa[0] = sa * 0x00800080u + 0x2F002F00u;
-    fb[0] = sb * 0x00800080u + 0x2F002F00u;
-    if (__builtin_expect(max(sa, sb) > 160u, 0)) fa[0] = weight_factor_mx(sa), fb[0] = weight_factor_mx(sb);
+    weight_factors_mx(tile_sw[row * kScaleWordsBytes + 4 * g + q], tile_sw[(row + 8) * kScaleWordsBytes + 4 * g + q],
+                      fa[0], fb[0]);
     fa[1] = fa[0], fb[1] = fb[0];
   }
-#pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    const uint32_t f0 = fa[t / 2], f1 = fb[t / 2];
-    // step 2t: nibbles 0/4 (cols 2q..) and 1/5 (cols 2q + 8..); step 2t + 1: nibbles 2/6 and 3/7
-    a[2 * t][0] = ptx::mul_bf16x2(e2m1x2_raw<0>(wa[t]), f0);
-    a[2 * t][1] = ptx::mul_bf16x2(e2m1x2_raw<0>(wb[t]), f1);
-    a[2 * t][2] = ptx::mul_bf16x2(e2m1x2_raw<1>(wa[t]), f0);
-    a[2 * t][3] = ptx::mul_bf16x2(e2m1x2_raw<1>(wb[t]), f1);
-    a[2 * t + 1][0] = ptx::mul_bf16x2(e2m1x2_raw<2>(wa[t]), f0);
-    a[2 * t + 1][1] = ptx::mul_bf16x2(e2m1x2_raw<2>(wb[t]), f1);
-    a[2 * t + 1][2] = ptx::mul_bf16x2(e2m1x2_raw<3>(wa[t]), f0);
-    a[2 * t + 1][3] = ptx::mul_bf16x2(e2m1x2_raw<3>(wb[t]), f1);
-  }
+  decode_rows_bf16(a, wa, wb, fa, fb);
 }
 
 // Keeps a wgmma A fragment in its registers up to this point (see the consumer loop).

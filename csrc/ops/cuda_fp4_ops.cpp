@@ -37,6 +37,30 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   // NOTES: with peers, a rank without tokens still serves theirs and takes part in both barriers.
   if (t == 0 && l.num_ranks == 1) return;
   const int sms = num_sms(y);
+  const float clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
+  int* recv_stats_ptr = recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr;
+  // One token on one rank: GEMVs over its experts instead of routing, gather and the tile walk (heuristics::fp4_gemv).
+  // It copies 16-row pieces of the weights, scales and row exponents with cp.async.bulk (16-byte aligned): tensors off
+  // that alignment (sliced; transform_weights never returns one) take the tile walk, whose tensor maps refuse
+  // misaligned weights with an error.
+  const auto aligned16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  const bool weights_aligned = aligned16(l1_weights) && aligned16(l2_weights) && aligned16(l1_weights_sf) &&
+                               aligned16(l2_weights_sf) && aligned16(l1_weights_global_sf) &&
+                               aligned16(l2_weights_global_sf);
+  if (weights_aligned &&
+      heuristics::fp4_gemv(t, l.num_ranks, format == WeightFormat::kMXFP4 && args.recipe == ActRecipe::kFP8UE8M0Block32,
+                           l.hidden, l.intermediate, l.top_k)) {
+    auto layer = [&](const at::Tensor& w, const at::Tensor& sf, const at::Tensor& row_exp, int64_t n, int64_t k) {
+      return kernels::Fp4GemvLayer{static_cast<const uint8_t*>(w.data_ptr()), static_cast<const uint8_t*>(sf.data_ptr()),
+                                   row_exp.data_ptr<uint8_t>(), fp4_scale_tiles(format, n, k)};
+    };
+    uint8_t* b = buffer_ptr(buffer);
+    kernels::launch_fp4_gemv(layer(l1_weights, l1_weights_sf, l1_weights_global_sf, 2 * l.intermediate, l.hidden),
+                             layer(l2_weights, l2_weights_sf, l2_weights_global_sf, l.hidden, l.intermediate), b, l,
+                             clamp, fast_math, recv_stats_ptr, sms, stream);
+    kernels::launch_combine(y.data_ptr(), b, l, static_cast<int>(args.buf.rank), t, sms, stream);
+    return;
+  }
   const bool act_fp4 = l.act_fp4;
   const auto recipe = args.recipe;
   const bool nv_acts = recipe == ActRecipe::kNVFP4;
@@ -120,12 +144,10 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
     mx_x_factors = reinterpret_cast<float*>(mx_pool + mx_rows * int64_t(inter));
     mx_pool_factors = mx_x_factors + int64_t(h / 128) * int64_t(rows);
   }
-  kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m,
-                          recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr, stream, tail_rows);
+  kernels::launch_routing(buf, l, static_cast<int>(args.buf.rank), t, cfg.block_m, recv_stats_ptr, stream, tail_rows);
   // With the MXFP4 fold the gather writes the folded rows into the workspace (the dispatch rows are not copied).
   kernels::launch_gather(buf, l, recipe, sms, stream, counters, counter_words, folded || mx_fold, mx_x, mx_x_factors);
 
-  const float clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
   // The third kernel-layout weight tensor: NVFP4's per-expert global scales, MXFP4's per-row exponents (check_mega_moe).
   auto global_ptr = [&](const at::Tensor& g) -> const float* {
     return format == WeightFormat::kNVFP4 && g.defined() ? g.data_ptr<float>() : nullptr;

@@ -1,0 +1,371 @@
+// FP4 GEMV path: one token on one rank, MXFP4 weights with FP8 tokens (UE8M0 scales per 32: w4a8, DeepSeek-V4's
+// checkpoint format). heuristics::fp4_gemv chooses it; layouts and semantics: docs/plans/fp4-gemv.md.
+//
+// Why: at T=1 the tile walk runs 256-row tiles (V4-Flash: 96 per GEMM on 132 SMs, 36 of them idle) and its wgmmas use
+// one of their 8-16 token columns; the walk is bound by tile granularity and per-SM issue (docs/perf-notes.md, thirty-
+// ninth session). Here an item is 64 weight rows of one slot's expert over the whole K (L1: 32 gate rows and their 32
+// up rows, one UE8M0 block of outputs; L2: 64 output rows), four m16 tiles of 16 contiguous rows. One persistent CTA
+// per SM takes items in turn (item = blockIdx.x + i x gridDim.x): a producer lane streams each tile's rows, scale bytes
+// and row exponents into a ring of shared-memory stages with cp.async.bulk (contiguous bytes: one copy of the rows),
+// and 16 consumer warps split every tile's K by 128-K groups.
+// NOTES (H100, 2026-11-27, forty-second session; docs/perf-notes.md): v1 had each lane load its 16-byte pieces straight
+// from global memory, CTAs of one item (2.9 waves on 132 SMs, 4 groups a warp): latency-bound at ~1.2 TB/s (V4-Flash
+// T=1: L1 41 µs, L2 32 µs; the call 1.15x the tile walk's time). This ring form: V4-Flash T=1 0.89-0.93x the walk's
+// time, V4-Pro 0.98-1.01x; L1 ~30 µs for 52 MB (ncu: 1.8 TB/s, 0.5 issued warps a scheduler, the ALU pipe 40 %
+// busy, 14 % of warp samples waiting on a full stage). The consumers' decode (~200 instructions a 128-K group and
+// lane: 2 a weight) bounds it; 8 consumer warps, or two accumulator chains, or the group loop unrolled twice were
+// no faster (the last 1.17x slower).
+// Each lane decodes its 32-K block of two rows as the BF16 tile path does (decode_rows_bf16), but relative to each
+// row's largest scale byte (transform_weights' row exponents, as the FP8-wgmma path: e2m1 x 2^(s - e), exact in bf16
+// for every scale byte) into mma.sync m16n8k16 A fragments, and multiplies the token's B fragments (column 0; lanes
+// 4-31 hold the zero columns; the token is converted to bf16 fragments in shared memory once a CTA): exact products,
+// float32 sums on the tensor cores, then 2^(e - 127) per row: exact for every scale byte up to e - s = 125 binades
+// below the row's largest (the FP8-wgmma walk: up to 14, rounded past that). Not the default walk's FP8 wgmmas on
+// folded values: other roundings (within the tolerance of the reference, not bitwise), hence one rank only (EP's ranks
+// must round alike whatever their token counts).
+// L1 epilogue as the tile walk's (swiglu_value on the bf16-rounded gate and up; UE8M0 scale per 32 outputs,
+// ceil_pow2(amax / 448); E4M3 by the exact reciprocal), not folded: L2 reads E4M3 bytes [slot][I] and scale bytes
+// [slot][I / 32] in the pool's regions (nothing else reads them in this call). L2 stores bf16 rows into the combine
+// area; launch_combine sums the slots. Bad ids go to the error word and valid slots to recv_stats, as routing does.
+#include "heuristics/sm90.hpp"
+#include "kernels/sm90_fp4_grouped_gemm.cuh"
+
+namespace megamoe::kernels {
+
+namespace {
+
+using fp4::decode_rows_bf16;
+using fp4::fp8_pair_bf16;
+using heuristics::kFp4GemvTileRows;
+
+constexpr int kGemvWarps = 16;  // consumer warps (8: 3-4 % slower at V4-Flash T=1, the same at V4-Pro); one more produces
+constexpr int kGemvThreads = 32 * (kGemvWarps + 1);
+constexpr int kGemvRows = 4 * kFp4GemvTileRows;  // weight rows per item: four m16 tiles
+constexpr int kL1Outputs = 32;  // L1 outputs per item: one UE8M0 block (32 gate rows and their 32 up rows)
+constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warps (0 is __syncthreads)
+static_assert(heuristics::kFp4GemvPartBytes == 2 * kGemvWarps * kGemvRows * 4, "partial sums: two items");
+static_assert(heuristics::kFp4GemvHeaderBytes >= 2 * heuristics::kFp4GemvMaxStages * 8 + 4 * heuristics::kFp4GemvMaxSlots,
+              "full and empty barriers, slot ids");
+
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Weight scale byte s of a row whose largest is e -> the bf16 pair factor 2^(s - e + 126), which turns e2m1x2_raw's
+// e2m1 x 2^-126 into e2m1 x 2^(s - e) (exact: at most 6, and normal for s - e >= -125). The row's 2^(e - 127)
+// multiplies its sums after the K (consume_tile's caller), so every scale byte is exact, as on the FP8-wgmma path;
+// s > e, which transform_weights never writes, reads as s = e - 252.
+__device__ __forceinline__ uint32_t relative_factor(uint32_t s, uint32_t e) {
+  const uint32_t h = (253u - min(e - s, 252u)) << 7;
+  return h | (h << 16);
+}
+
+// One layer's view for the kernels: weights of `n` rows of `k` per expert, `items` items per slot.
+struct GemvPass {
+  Fp4GemvLayer w;
+  int n, k, items, slots;  // slots: top_k (items of slot j are j x items ..)
+  int stages;              // ring stages (heuristics::fp4_gemv_stages)
+};
+
+// Shared memory: the ring's full / empty barriers, the consumer warps' partial sums (two buffers by item parity: one
+// consumer barrier an item), the token's bf16 B fragments (16 words per 32-K block: fp8_pair_bf16 in
+// decode_rows_bf16's K order), then the ring's stages (a tile: rows, scale bytes, row exponents).
+struct GemvSmem {
+  uint64_t* full;
+  uint64_t* empty;
+  int* ids;  // the token's slots' expert ids (read once: a global load an item stalled every warp ~10 % of L1's time)
+  float (*part)[kGemvWarps][kGemvRows];
+  uint32_t* token;
+  uint8_t* ring;
+};
+
+__device__ __forceinline__ GemvSmem carve(uint8_t* smem, int token_blocks) {
+  GemvSmem s;
+  s.full = reinterpret_cast<uint64_t*>(smem);
+  s.empty = s.full + heuristics::kFp4GemvMaxStages;
+  s.ids = reinterpret_cast<int*>(s.empty + heuristics::kFp4GemvMaxStages);
+  s.part = reinterpret_cast<float (*)[kGemvWarps][kGemvRows]>(smem + heuristics::kFp4GemvHeaderBytes);
+  s.token = reinterpret_cast<uint32_t*>(smem + heuristics::kFp4GemvHeaderBytes + 2 * kGemvWarps * kGemvRows * 4);
+  s.ring = reinterpret_cast<uint8_t*>(s.token) + heuristics::fp4_gemv_token_bytes(token_blocks);
+  return s;
+}
+
+// Token blocks [0, blocks) (E4M3 bytes `x` [32 blk ..], UE8M0 `x_sf` [blk]) -> their B fragments in shared memory,
+// by the consumer warps. Exact in bf16 for every scale the quantizers write (>= 1e-4 / 448: normal), up to 2^119.
+__device__ __forceinline__ void convert_token(uint32_t* dst, const uint8_t* x, const uint8_t* x_sf, int blocks) {
+  for (int blk = threadIdx.x; blk < blocks; blk += 32 * kGemvWarps) {
+    const uint4 lo = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32));
+    const uint4 hi = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32 + 16));
+    const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const float f = ue8m0_float(__ldcg(x_sf + blk));
+    uint32_t v[16];
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+#pragma unroll
+      for (int p = 0; p < 4; ++p) v[4 * t + p] = fp8_pair_bf16(w, t, p, f);
+    uint4* d = reinterpret_cast<uint4*>(dst + blk * 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[i] = make_uint4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+  }
+}
+
+// Producer lane: every tile of the CTA's items whose slot holds a valid id, in the consumers' order. A tile is one
+// bulk copy of its 16 rows (contiguous), its scale bytes (rows: one copy; scale tiles: one 256-byte piece per 16
+// blocks) and its 16 row exponents.
+template <typename RowsOf>
+__device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
+                                        RowsOf rows_of) {
+  const int kb = p.k / 32, row_bytes = p.k / 2;
+  const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k);
+  const uint32_t tile_bytes = kFp4GemvTileRows * (row_bytes + kb + 1);
+  int stage = 0;
+  uint32_t phase = 0;
+  const int total = p.items * p.slots;
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    const int id = ids[item / p.items];
+    if (id < 0 || id >= num_experts) continue;
+    int r0[4];
+    rows_of(item % p.items, r0);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      ptx::mbarrier_wait(&s.empty[stage], phase ^ 1);
+      uint8_t* dst = s.ring + stage * stage_bytes;
+      ptx::mbarrier_arrive_expect_tx(&s.full[stage], tile_bytes);
+      const int64_t row = int64_t(id) * p.n + r0[m];
+      ptx::bulk_load(dst, p.w.weights + row * row_bytes, kFp4GemvTileRows * row_bytes, &s.full[stage]);
+      uint8_t* dst_sf = dst + kFp4GemvTileRows * row_bytes;
+      if (p.w.scale_tiles) {
+        // Scale tiles [n / 256][kb / 16][256][16] an expert: rows r0 .. r0 + 15 of 16 blocks are 256 contiguous bytes.
+        const uint8_t* src = p.w.weights_sf + int64_t(id) * p.n * kb +
+                             int64_t(r0[m] / kScaleTileRows) * (kb / kScaleTileBytes) * (kScaleTileRows * kScaleTileBytes) +
+                             (r0[m] % kScaleTileRows) * kScaleTileBytes;
+        for (int j = 0; j < kb / kScaleTileBytes; ++j)
+          ptx::bulk_load(dst_sf + j * kFp4GemvTileRows * kScaleTileBytes,
+                         src + int64_t(j) * kScaleTileRows * kScaleTileBytes, kFp4GemvTileRows * kScaleTileBytes,
+                         &s.full[stage]);
+      } else {
+        ptx::bulk_load(dst_sf, p.w.weights_sf + row * kb, kFp4GemvTileRows * kb, &s.full[stage]);
+      }
+      ptx::bulk_load(dst_sf + kFp4GemvTileRows * kb, p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);
+      if (++stage == p.stages) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// One tile (16 rows) times the token over this warp's 128-K groups [g_begin, g_end), into acc (m16n8 accumulators:
+// column 0 in lanes 4i, registers 0 (row i) and 2 (row i + 8)), relative to the rows' largest scales ea / eb (read
+// here from the stage). Rows are k / 2 bytes apart: lanes of two rows share banks (two-way: ~500 cycles of a tile's
+// ~2,900 of streaming at V4-Flash L1, not the bound).
+__device__ __forceinline__ void consume_tile(float (&acc)[4], uint32_t& ea, uint32_t& eb, const uint8_t* tile,
+                                             const uint32_t* token, bool scale_tiles, int k, int g_begin, int g_end,
+                                             int lane) {
+  const int q = lane % 4, rr = lane / 4, kb = k / 32, row_bytes = k / 2;
+  const uint8_t* sf = tile + kFp4GemvTileRows * row_bytes;
+  ea = sf[kFp4GemvTileRows * kb + rr];
+  eb = sf[kFp4GemvTileRows * kb + rr + 8];
+  for (int g = g_begin; g < g_end; ++g) {
+    const int blk = 4 * g + q;
+    const uint4 wa = *reinterpret_cast<const uint4*>(tile + rr * row_bytes + blk * 16);
+    const uint4 wb = *reinterpret_cast<const uint4*>(tile + (rr + 8) * row_bytes + blk * 16);
+    const int ia = scale_tiles ? (blk / kScaleTileBytes) * (kFp4GemvTileRows * kScaleTileBytes) + rr * kScaleTileBytes +
+                                     blk % kScaleTileBytes
+                               : rr * kb + blk;
+    const int ib = scale_tiles ? ia + 8 * kScaleTileBytes : ia + 8 * kb;
+    uint32_t b[8][2] = {};
+    if (lane < 4) {
+      const uint4* t = reinterpret_cast<const uint4*>(token + blk * 16);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint4 v = t[i];
+        b[2 * i][0] = v.x, b[2 * i][1] = v.y, b[2 * i + 1][0] = v.z, b[2 * i + 1][1] = v.w;
+      }
+    }
+    const uint32_t fa[2] = {relative_factor(sf[ia], ea), relative_factor(sf[ia], ea)};
+    const uint32_t fb[2] = {relative_factor(sf[ib], eb), relative_factor(sf[ib], eb)};
+    const uint32_t wa4[4] = {wa.x, wa.y, wa.z, wa.w}, wb4[4] = {wb.x, wb.y, wb.z, wb.w};
+    uint32_t a[8][4];
+    decode_rows_bf16(a, wa4, wb4, fa, fb);
+#pragma unroll
+    for (int s = 0; s < 8; ++s) mma_m16n8k16_bf16(acc, a[s], b[s][0], b[s][1]);
+  }
+}
+
+// Consumer warps: every item of the CTA whose slot holds a valid id, in the producer's order: its four tiles, each
+// row's sums times 2^(e - 127) (its largest scale byte e; 255: NaN, as on the FP8-wgmma path) into part[parity][warp],
+// a consumer barrier, then epilogue(part of the item, slot, item index in the slot) by the first warps. The token of
+// slot j is B fragments at token + j x token_words.
+template <typename RowsOf, typename Epilogue>
+__device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
+                                        int token_words, RowsOf rows_of, Epilogue epilogue) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int groups = p.k / 128, g_begin = warp * groups / kGemvWarps, g_end = (warp + 1) * groups / kGemvWarps;
+  const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k);
+  int stage = 0, parity = 0;
+  uint32_t phase = 0;
+  const int total = p.items * p.slots;
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    const int slot = item / p.items;
+    const int id = ids[slot];
+    if (id < 0 || id >= num_experts) continue;  // the producer skips it too
+    const uint32_t* token = s.token + slot * token_words;
+    float acc[4][4] = {};
+    uint32_t ea[4], eb[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      ptx::mbarrier_wait(&s.full[stage], phase);
+      consume_tile(acc[m], ea[m], eb[m], s.ring + stage * stage_bytes, token, p.w.scale_tiles, p.k, g_begin, g_end,
+                   lane);
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
+      if (++stage == p.stages) stage = 0, phase ^= 1;
+    }
+    if (lane % 4 == 0) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        s.part[parity][warp][16 * m + lane / 4] = acc[m][0] * ue8m0_float(ea[m]);
+        s.part[parity][warp][16 * m + lane / 4 + 8] = acc[m][2] * ue8m0_float(eb[m]);
+      }
+    }
+    // One barrier an item: part[parity] is written again two items on, after every warp passed the next barrier,
+    // hence after this item's epilogue.
+    ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
+    epilogue(s.part[parity], slot, item % p.items);
+    parity ^= 1;
+  }
+}
+
+__device__ __forceinline__ float warps_sum(const float (&part)[kGemvWarps][kGemvRows], int i) {
+  float s = part[0][i];
+#pragma unroll
+  for (int w = 1; w < kGemvWarps; ++w) s += part[w][i];
+  return s;
+}
+
+// The ring's barriers, and the slots' ids into shared memory (pre_dispatch wrote them: read after its grid ended).
+__device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const int* ids, int slots) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < stages; ++i) ptx::mbarrier_init(&s.full[i], 1), ptx::mbarrier_init(&s.empty[i], kGemvWarps);
+    ptx::fence_barrier_init();
+  }
+  for (int slot = threadIdx.x; slot < slots; slot += kGemvThreads) s.ids[slot] = __ldcg(ids + slot);
+  __syncthreads();
+}
+
+// L1: item ob of a slot = the 32 gate rows of outputs [32 ob, 32 ob + 32) and their up rows, 64
+// further (transform_weights' interleave: chunk 2j = gate rows [64j, 64j + 64), chunk 2j + 1 = the matching up rows).
+template <bool kFast>
+__global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p, uint8_t* buffer,
+                                                                      layout::BufferLayout l, float clamp,
+                                                                      int* recv_stats) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);
+  const GemvSmem s = carve(smem, hidden / 32);
+  ptx::grid_dependency_wait();  // pre_dispatch's token, ids and weights
+  ptx::launch_dependents();
+  init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), p.slots);  // token 0's slots
+  const int* ids = s.ids;
+  const int num_experts = static_cast<int>(l.num_experts);
+  auto rows_of = [](int ob, int (&r0)[4]) {
+    const int i0 = ob * kL1Outputs, gate0 = 128 * (i0 / 64) + i0 % 64;
+    r0[0] = gate0, r0[1] = gate0 + 16, r0[2] = gate0 + 64, r0[3] = gate0 + 80;
+  };
+  const int warp = threadIdx.x / 32;
+  if (warp == kGemvWarps) {
+    if (threadIdx.x % 32 == 0) produce(s, p, ids, num_experts, rows_of);
+    return;
+  }
+  for (int slot = threadIdx.x; blockIdx.x == 0 && slot < p.slots; slot += 32 * kGemvWarps) {  // as routing: bad ids
+    const int id = ids[slot];                                                                     // reported, valid
+    if ((id < 0 || id >= num_experts) && id != -1) record_error(buffer, l, layout::kErrorExpertId, id, 0, slot);
+    if (id >= 0 && id < num_experts && recv_stats != nullptr) atomicAdd(recv_stats + id, 1);  // slots counted
+  }
+  convert_token(s.token, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
+  ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
+  const float* weights = reinterpret_cast<const float*>(buffer + l.topk_weights_offset);
+  consume(s, p, ids, num_experts, 0, rows_of, [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int ob) {
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x, blocks = inter / kL1Outputs;
+    const float g = __bfloat162float(__float2bfloat16_rn(warps_sum(part, lane)));
+    const float u = __bfloat162float(__float2bfloat16_rn(warps_sum(part, kL1Outputs + lane)));
+    const float a = swiglu_value<kFast>(g, u, __ldcg(weights + slot), clamp);
+    const float amax = warp_reduce_max<32>(fabsf(a));
+    const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / kFP8Max);
+    buffer[l.pool_offset + int64_t(slot) * inter + ob * kL1Outputs + lane] = to_fp8(a * pow2_reciprocal(scale));
+    if (lane == 0) buffer[l.pool_sf_offset + int64_t(slot) * blocks + ob] = ue8m0_bits(scale);
+  });
+}
+
+// L2: item rb of a slot = weight rows [64 rb, 64 rb + 64) -> bf16 of the slot's combine row.
+__global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p, uint8_t* buffer,
+                                                                      layout::BufferLayout l) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);
+  const int top_k = p.slots;
+  const GemvSmem s = carve(smem, top_k * (inter / 32));
+  // The ids before the dependency wait: pre_dispatch wrote them, and L1 triggered this grid only after its own wait for
+  // pre_dispatch (every kernel of the chain triggers after its wait; see combine_kernel).
+  init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), top_k);
+  const int* ids = s.ids;
+  const int num_experts = static_cast<int>(l.num_experts);
+  auto rows_of = [](int rb, int (&r0)[4]) {
+    for (int m = 0; m < 4; ++m) r0[m] = rb * kGemvRows + kFp4GemvTileRows * m;
+  };
+  const int warp = threadIdx.x / 32;
+  if (warp == kGemvWarps) {
+    // The producer streams weights before L1 ends (they do not depend on it). It does not wait at all: this grid's end
+    // (combine's wait) follows the consumers', which wait.
+    if (threadIdx.x % 32 == 0) produce(s, p, ids, num_experts, rows_of);
+    return;
+  }
+  ptx::grid_dependency_wait();  // L1's outputs
+  ptx::launch_dependents();
+  for (int slot = 0; slot < top_k; ++slot)
+    convert_token(s.token + slot * (inter / 32) * 16, buffer + l.pool_offset + int64_t(slot) * inter,
+                  buffer + l.pool_sf_offset + int64_t(slot) * (inter / 32), inter / 32);
+  ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
+  __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(buffer + l.combine_offset);  // token 0's slots
+  consume(s, p, ids, num_experts, (inter / 32) * 16, rows_of,
+          [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int rb) {
+            if (threadIdx.x >= kGemvRows) return;
+            out[int64_t(slot) * hidden + rb * kGemvRows + threadIdx.x] = __float2bfloat16_rn(warps_sum(part, threadIdx.x));
+          });
+}
+
+}  // namespace
+
+void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* buffer, const layout::BufferLayout& layout,
+                     float activation_clamp, bool fast_math, int* recv_stats, int num_sms, cudaStream_t stream) {
+  const int top_k = static_cast<int>(layout.top_k);
+  const int hidden = static_cast<int>(layout.hidden), inter = static_cast<int>(layout.intermediate);
+  const int l1_stages = heuristics::fp4_gemv_stages(hidden, hidden / 32);
+  const int l2_stages = heuristics::fp4_gemv_stages(inter, top_k * (inter / 32));
+  if (layout.num_ranks != 1 || hidden % 128 != 0 || inter % 128 != 0 || top_k > heuristics::kFp4GemvMaxSlots ||
+      l1_stages < 2 || l2_stages < 2)
+    throw std::runtime_error("megamoe: the FP4 GEMV path takes one rank, hidden and intermediate multiples of 128, top_k "
+                             "<= 64 and two ring stages of each layer (heuristics::fp4_gemv)");
+  const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, l1_stages};
+  const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, l2_stages};
+  // Persistent CTAs, one an SM (the ring takes most of its shared memory), over items x top_k items.
+  const dim3 g1(std::min(num_sms, p1.items * top_k)), g2(std::min(num_sms, p2.items * top_k));
+  const int smem1 = heuristics::fp4_gemv_smem_bytes(hidden, hidden / 32, l1_stages);
+  const int smem2 = heuristics::fp4_gemv_smem_bytes(inter, top_k * (inter / 32), l2_stages);
+  if (fast_math) {
+    allow_dynamic_smem<fp4_gemv_l1_kernel<true>>(heuristics::kFp4GemvSmemLimit);
+    launch_pdl(fp4_gemv_l1_kernel<true>, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout, activation_clamp,
+               recv_stats);
+  } else {
+    allow_dynamic_smem<fp4_gemv_l1_kernel<false>>(heuristics::kFp4GemvSmemLimit);
+    launch_pdl(fp4_gemv_l1_kernel<false>, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout, activation_clamp,
+               recv_stats);
+  }
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  allow_dynamic_smem<fp4_gemv_l2_kernel>(heuristics::kFp4GemvSmemLimit);
+  launch_pdl(fp4_gemv_l2_kernel, g2, dim3(kGemvThreads), smem2, stream, p2, buffer, layout);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace megamoe::kernels
