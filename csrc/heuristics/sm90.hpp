@@ -262,7 +262,7 @@ inline bool choose_mxfp4_fp8_mma() {
 constexpr int kFp4GemvTileRows = 16;     // rows of a ring stage: one m16 tile
 constexpr int kFp4GemvMaxStages = 8;
 constexpr int kFp4GemvMaxSlots = 64;       // top_k
-constexpr int kFp4GemvHeaderBytes = 2 * kFp4GemvMaxStages * 8 + 4 * kFp4GemvMaxSlots;  // ring barriers, slot ids
+constexpr int kFp4GemvHeaderBytes = 2 * kFp4GemvMaxStages * 8 + 4 * kFp4GemvMaxSlots + 64;  // barriers, slot ids, zeros
 constexpr int kFp4GemvPartBytes = 2 * 16 * 64 * 4;  // the consumer warps' partial sums, two items
 constexpr int kFp4GemvSmemLimit = 232448;  // H100 / H200 / H20: 227 KB of dynamic shared memory a CTA
 // A ring stage: 16 rows of k (E2M1), their k / 32 scale bytes and their 16 row exponents, rounded up to 128 bytes.
