@@ -14,7 +14,8 @@
 // time, V4-Pro 0.98-1.01x; L1 ~30 µs for 52 MB (ncu: 1.8 TB/s, 0.5 issued warps a scheduler, the ALU pipe 40 %
 // busy, 14 % of warp samples waiting on a full stage). The consumers' decode (~200 instructions a 128-K group and
 // lane: 2 a weight) bounds it; 8 consumer warps, or two accumulator chains, or the group loop unrolled twice were
-// no faster (the last 1.17x slower).
+// no faster (the last 1.17x slower). Trimming the group loop 196 -> 179 instructions (zero-area token reads, shifted
+// scale offsets) took the call 0.97x (V4-Flash) / 0.99x (V4-Pro) again: 0.86x / 0.96x the walk's time.
 // Each lane decodes its 32-K block of two rows as the BF16 tile path does (decode_rows_bf16), but relative to each
 // row's largest scale byte (transform_weights' row exponents, as the FP8-wgmma path: e2m1 x 2^(s - e), exact in bf16
 // for every scale byte) into mma.sync m16n8k16 A fragments, and multiplies the token's B fragments (column 0; lanes
