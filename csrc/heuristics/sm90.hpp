@@ -257,12 +257,12 @@ inline bool choose_mxfp4_fp8_mma() {
 // peers (EP's ranks must round alike whatever their token counts; the EP tests' EP=1 runs turn it off).
 // MEGAMOE_FP4_GEMV=0 (read per call; tests) turns it off; the tile walk's own switches (MEGAMOE_FP4_BLOCK_M,
 // _SPLIT_ROUND, ...) act with it off.
-// NOTES (H100, 2026-11-27, perf-notes forty-second session): the ring form takes V4-Flash T=1 to 0.89-0.93x the walk's
-// time and V4-Pro to 0.98-1.01x (v1, lanes loading straight from global memory, lost: 1.15x / 1.34x).
+// NOTES (H100, 2026-11-27, perf-notes forty-second session): the ring form with its trimmed loop takes V4-Flash T=1 to
+// 0.86x the walk's time and V4-Pro to 0.96x (v1, lanes loading straight from global memory, lost: 1.15x / 1.34x).
 constexpr int kFp4GemvTileRows = 16;     // rows of a ring stage: one m16 tile
 constexpr int kFp4GemvMaxStages = 8;
 constexpr int kFp4GemvMaxSlots = 64;       // top_k
-constexpr int kFp4GemvHeaderBytes = 2 * kFp4GemvMaxStages * 8 + 4 * kFp4GemvMaxSlots;  // ring barriers, slot ids
+constexpr int kFp4GemvHeaderBytes = 2 * kFp4GemvMaxStages * 8 + 4 * kFp4GemvMaxSlots + 64;  // barriers, slot ids, zeros
 constexpr int kFp4GemvPartBytes = 2 * 16 * 64 * 4;  // the consumer warps' partial sums, two items
 constexpr int kFp4GemvSmemLimit = 232448;  // H100 / H200 / H20: 227 KB of dynamic shared memory a CTA
 // A ring stage: 16 rows of k (E2M1), their k / 32 scale bytes and their 16 row exponents, rounded up to 128 bytes.

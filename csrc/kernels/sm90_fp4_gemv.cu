@@ -14,7 +14,8 @@
 // time, V4-Pro 0.98-1.01x; L1 ~30 µs for 52 MB (ncu: 1.8 TB/s, 0.5 issued warps a scheduler, the ALU pipe 40 %
 // busy, 14 % of warp samples waiting on a full stage). The consumers' decode (~200 instructions a 128-K group and
 // lane: 2 a weight) bounds it; 8 consumer warps, or two accumulator chains, or the group loop unrolled twice were
-// no faster (the last 1.17x slower).
+// no faster (the last 1.17x slower). Trimming the group loop 196 -> 179 instructions (zero-area token reads, shifted
+// scale offsets) took the call 0.97x (V4-Flash) / 0.99x (V4-Pro) again: 0.86x / 0.96x the walk's time.
 // Each lane decodes its 32-K block of two rows as the BF16 tile path does (decode_rows_bf16), but relative to each
 // row's largest scale byte (transform_weights' row exponents, as the FP8-wgmma path: e2m1 x 2^(s - e), exact in bf16
 // for every scale byte) into mma.sync m16n8k16 A fragments, and multiplies the token's B fragments (column 0; lanes
@@ -44,8 +45,8 @@ constexpr int kGemvRows = 4 * kFp4GemvTileRows;  // weight rows per item: four m
 constexpr int kL1Outputs = 32;  // L1 outputs per item: one UE8M0 block (32 gate rows and their 32 up rows)
 constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warps (0 is __syncthreads)
 static_assert(heuristics::kFp4GemvPartBytes == 2 * kGemvWarps * kGemvRows * 4, "partial sums: two items");
-static_assert(heuristics::kFp4GemvHeaderBytes >= 2 * heuristics::kFp4GemvMaxStages * 8 + 4 * heuristics::kFp4GemvMaxSlots,
-              "full and empty barriers, slot ids");
+static_assert(heuristics::kFp4GemvHeaderBytes >= 2 * heuristics::kFp4GemvMaxStages * 8 + 4 * heuristics::kFp4GemvMaxSlots + 64,
+              "full and empty barriers, slot ids, zeros");
 
 __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -78,6 +79,7 @@ struct GemvSmem {
   uint64_t* full;
   uint64_t* empty;
   int* ids;  // the token's slots' expert ids (read once: a global load an item stalled every warp ~10 % of L1's time)
+  uint32_t* zeros;  // 64 zero bytes: the token fragments of lanes 4-31
   float (*part)[kGemvWarps][kGemvRows];
   uint32_t* token;
   uint8_t* ring;
@@ -88,6 +90,7 @@ __device__ __forceinline__ GemvSmem carve(uint8_t* smem, int token_blocks) {
   s.full = reinterpret_cast<uint64_t*>(smem);
   s.empty = s.full + heuristics::kFp4GemvMaxStages;
   s.ids = reinterpret_cast<int*>(s.empty + heuristics::kFp4GemvMaxStages);
+  s.zeros = reinterpret_cast<uint32_t*>(s.ids + heuristics::kFp4GemvMaxSlots);
   s.part = reinterpret_cast<float (*)[kGemvWarps][kGemvRows]>(smem + heuristics::kFp4GemvHeaderBytes);
   s.token = reinterpret_cast<uint32_t*>(smem + heuristics::kFp4GemvHeaderBytes + 2 * kGemvWarps * kGemvRows * 4);
   s.ring = reinterpret_cast<uint8_t*>(s.token) + heuristics::fp4_gemv_token_bytes(token_blocks);
@@ -161,28 +164,33 @@ __device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, co
 // here from the stage). Rows are k / 2 bytes apart: lanes of two rows share banks (two-way: ~500 cycles of a tile's
 // ~2,900 of streaming at V4-Flash L1, not the bound).
 __device__ __forceinline__ void consume_tile(float (&acc)[4], uint32_t& ea, uint32_t& eb, const uint8_t* tile,
-                                             const uint32_t* token, bool scale_tiles, int k, int g_begin, int g_end,
-                                             int lane) {
+                                             const uint32_t* token, const uint32_t* zeros, bool scale_tiles, int k,
+                                             int g_begin, int g_end, int lane) {
   const int q = lane % 4, rr = lane / 4, kb = k / 32, row_bytes = k / 2;
   const uint8_t* sf = tile + kFp4GemvTileRows * row_bytes;
   ea = sf[kFp4GemvTileRows * kb + rr];
   eb = sf[kFp4GemvTileRows * kb + rr + 8];
+  // Lane q's block 4g + q: its scale byte of row rr at sf_row + sf_offset(g) (scale tiles: byte (g / 4) x 256 + (g % 4)
+  // x 4 past the row's block q; rows: 4g), and rr + 8's one row further. The token's B fragments: lanes 0-3 read
+  // theirs, 64 bytes a block; the others read 64 zero bytes (no registers to zero a group).
+  const int sf_row = scale_tiles ? rr * kScaleTileBytes + q : rr * kb + q;
+  const int sf_row8 = scale_tiles ? 8 * kScaleTileBytes : 8 * kb;
+  const uint32_t* token_lane = lane < 4 ? token + q * 16 : zeros;
+  const int token_step = lane < 4 ? 64 : 0;
   for (int g = g_begin; g < g_end; ++g) {
     const int blk = 4 * g + q;
     const uint4 wa = *reinterpret_cast<const uint4*>(tile + rr * row_bytes + blk * 16);
     const uint4 wb = *reinterpret_cast<const uint4*>(tile + (rr + 8) * row_bytes + blk * 16);
-    const int ia = scale_tiles ? (blk / kScaleTileBytes) * (kFp4GemvTileRows * kScaleTileBytes) + rr * kScaleTileBytes +
-                                     blk % kScaleTileBytes
-                               : rr * kb + blk;
-    const int ib = scale_tiles ? ia + 8 * kScaleTileBytes : ia + 8 * kb;
-    uint32_t b[8][2] = {};
-    if (lane < 4) {
-      const uint4* t = reinterpret_cast<const uint4*>(token + blk * 16);
+    const uint32_t ug = static_cast<uint32_t>(g);
+    const int ia = sf_row + static_cast<int>(scale_tiles ? ((ug >> 2) << 8) | ((ug & 3) << 2) : 4 * ug);
+    const int ib = ia + sf_row8;
+    static_assert(kScaleTileBytes == 16 && kFp4GemvTileRows * kScaleTileBytes == 256, "sf_offset's constants");
+    uint32_t b[8][2];
+    const uint4* t = reinterpret_cast<const uint4*>(token_lane + g * token_step);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint4 v = t[i];
-        b[2 * i][0] = v.x, b[2 * i][1] = v.y, b[2 * i + 1][0] = v.z, b[2 * i + 1][1] = v.w;
-      }
+    for (int i = 0; i < 4; ++i) {
+      const uint4 v = t[i];
+      b[2 * i][0] = v.x, b[2 * i][1] = v.y, b[2 * i + 1][0] = v.z, b[2 * i + 1][1] = v.w;
     }
     const uint32_t fa[2] = {relative_factor(sf[ia], ea), relative_factor(sf[ia], ea)};
     const uint32_t fb[2] = {relative_factor(sf[ib], eb), relative_factor(sf[ib], eb)};
@@ -217,8 +225,8 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       ptx::mbarrier_wait(&s.full[stage], phase);
-      consume_tile(acc[m], ea[m], eb[m], s.ring + stage * stage_bytes, token, p.w.scale_tiles, p.k, g_begin, g_end,
-                   lane);
+      consume_tile(acc[m], ea[m], eb[m], s.ring + stage * stage_bytes, token, s.zeros, p.w.scale_tiles, p.k, g_begin,
+                   g_end, lane);
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
       if (++stage == p.stages) stage = 0, phase ^= 1;
@@ -252,6 +260,7 @@ __device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const i
     ptx::fence_barrier_init();
   }
   for (int slot = threadIdx.x; slot < slots; slot += kGemvThreads) s.ids[slot] = __ldcg(ids + slot);
+  if (threadIdx.x < 16) s.zeros[threadIdx.x] = 0;
   __syncthreads();
 }
 
