@@ -29,7 +29,8 @@
 // L1 epilogue as the tile walk's (swiglu_value on the bf16-rounded gate and up; UE8M0 scale per 32 outputs,
 // ceil_pow2(amax / 448); E4M3 by the exact reciprocal), not folded: L2 reads E4M3 bytes [slot][I] (w4a4: E2M1
 // [slot][I / 2]) and scale bytes [slot][I / 32] in the pool's regions (nothing else reads them in this call).
-// L2 stores bf16 rows into the combine area; launch_combine sums the slots. Bad ids go to the error word and valid slots to recv_stats, as routing does.
+// L2 stores bf16 rows into the combine area; launch_combine sums the slots. Bad ids go to the error word and valid
+// slots to recv_stats, as routing does.
 #include "heuristics/sm90.hpp"
 #include "kernels/sm90_fp4_grouped_gemm.cuh"
 
