@@ -251,7 +251,8 @@ inline bool choose_mxfp4_fp8_mma() {
   return true;
 }
 
-// FP4 GEMV path for one token on one rank (sm90_fp4_gemv.cu; docs/plans/fp4-gemv.md): MXFP4 weights with FP8 tokens,
+// FP4 GEMV path for one token on one rank (sm90_fp4_gemv.cu; docs/plans/fp4-gemv.md): MXFP4 weights with FP8 or MXFP4
+// tokens (UE8M0 per 32: w4a8, w4a4),
 // hidden and intermediate multiples of 128, two ring stages of either layer in shared memory (fp4_gemv_stages). Exact
 // products and float32 sums on mma.sync, not the default walk's FP8 wgmmas on folded values: other bits, so not with
 // peers (EP's ranks must round alike whatever their token counts; the EP tests' EP=1 runs turn it off).
@@ -280,9 +281,9 @@ inline int fp4_gemv_stages(int64_t k, int64_t token_blocks) {
   const int64_t free = kFp4GemvSmemLimit - fp4_gemv_smem_bytes(k, token_blocks, 0);
   return free <= 0 ? 0 : static_cast<int>(std::min<int64_t>(kFp4GemvMaxStages, free / fp4_gemv_stage_bytes(k)));
 }
-inline bool fp4_gemv(int64_t num_tokens, int64_t num_ranks, bool mxfp4_fp8_tokens, int64_t hidden,
+inline bool fp4_gemv(int64_t num_tokens, int64_t num_ranks, bool mxfp4_ue8m0_tokens, int64_t hidden,
                      int64_t intermediate, int64_t top_k) {
-  if (num_tokens != 1 || num_ranks != 1 || !mxfp4_fp8_tokens || hidden % 128 != 0 || intermediate % 128 != 0 ||
+  if (num_tokens != 1 || num_ranks != 1 || !mxfp4_ue8m0_tokens || hidden % 128 != 0 || intermediate % 128 != 0 ||
       top_k > kFp4GemvMaxSlots)
     return false;
   if (fp4_gemv_stages(hidden, hidden / 32) < 2 || fp4_gemv_stages(intermediate, top_k * (intermediate / 32)) < 2)

@@ -1,5 +1,7 @@
-// FP4 GEMV path: one token on one rank, MXFP4 weights with FP8 tokens (UE8M0 scales per 32: w4a8, DeepSeek-V4's
-// checkpoint format). heuristics::fp4_gemv chooses it; layouts and semantics: docs/plans/fp4-gemv.md.
+// FP4 GEMV path: one token on one rank, MXFP4 weights with FP8 or MXFP4 tokens (UE8M0 scales per 32: w4a8,
+// DeepSeek-V4's checkpoint format, and w4a4). heuristics::fp4_gemv chooses it; layouts and semantics: docs/plans/fp4-gemv.md (w4a4:
+// the token's E2M1 nibbles convert to the same bf16 fragments, and L1 writes E2M1 + UE8M0 as the walk's epilogue does,
+// ceil_pow2(amax / 6) and e2m1_code).
 //
 // Why: at T=1 the tile walk runs 256-row tiles (V4-Flash: 96 per GEMM on 132 SMs, 36 of them idle) and its wgmmas use
 // one of their 8-16 token columns; the walk is bound by tile granularity and per-SM issue (docs/perf-notes.md, thirty-
@@ -25,9 +27,10 @@
 // folded values: other roundings (within the tolerance of the reference, not bitwise), hence one rank only (EP's ranks
 // must round alike whatever their token counts).
 // L1 epilogue as the tile walk's (swiglu_value on the bf16-rounded gate and up; UE8M0 scale per 32 outputs,
-// ceil_pow2(amax / 448); E4M3 by the exact reciprocal), not folded: L2 reads E4M3 bytes [slot][I] and scale bytes
-// [slot][I / 32] in the pool's regions (nothing else reads them in this call). L2 stores bf16 rows into the combine
-// area; launch_combine sums the slots. Bad ids go to the error word and valid slots to recv_stats, as routing does.
+// ceil_pow2(amax / 448); E4M3 by the exact reciprocal), not folded: L2 reads E4M3 bytes [slot][I] (w4a4: E2M1
+// [slot][I / 2]) and scale bytes [slot][I / 32] in the pool's regions (nothing else reads them in this call).
+// L2 stores bf16 rows into the combine area; launch_combine sums the slots. Bad ids go to the error word and valid
+// slots to recv_stats, as routing does.
 #include "heuristics/sm90.hpp"
 #include "kernels/sm90_fp4_grouped_gemm.cuh"
 
@@ -36,7 +39,9 @@ namespace megamoe::kernels {
 namespace {
 
 using fp4::decode_rows_bf16;
+using fp4::e2m1x2_raw;
 using fp4::fp8_pair_bf16;
+using fp4::kBF16x2Pow2_126;
 using heuristics::kFp4GemvTileRows;
 
 constexpr int kGemvWarps = 16;  // consumer warps (8: 3-4 % slower at V4-Flash T=1, the same at V4-Pro); one more produces
@@ -97,19 +102,42 @@ __device__ __forceinline__ GemvSmem carve(uint8_t* smem, int token_blocks) {
   return s;
 }
 
-// Token blocks [0, blocks) (E4M3 bytes `x` [32 blk ..], UE8M0 `x_sf` [blk]) -> their B fragments in shared memory,
-// by the consumer warps. Exact in bf16 for every scale the quantizers write (>= 1e-4 / 448: normal), up to 2^119.
+// E2M1 nibbles p and p + 4 of word w (K 8t + p and 8t + p + 4 of the block, as fp8_pair_bf16 pairs E4M3 bytes) times
+// f -> a bf16 pair: e2m1x2_raw's e2m1 x 2^-126, times 2^126 (exact), then f in float32 (a power of two: exact in the
+// bf16 range, whatever the scale byte; 255 gives NaN).
+template <int p>
+__device__ __forceinline__ uint32_t e2m1_pair_bf16(uint32_t w, float f) {
+  const uint32_t e = ptx::mul_bf16x2(e2m1x2_raw<p>(w), kBF16x2Pow2_126);
+  const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&e));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(v.x * f, v.y * f);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// Token blocks [0, blocks) (E4M3 bytes `x` [32 blk ..], or with kFP4Act E2M1 `x` [16 blk ..]; UE8M0 `x_sf` [blk]) ->
+// their B fragments in shared memory, by the consumer warps. Exact in bf16 for every scale the quantizers write (>=
+// 1e-4 / 448: normal), up to 2^119.
+template <bool kFP4Act>
 __device__ __forceinline__ void convert_token(uint32_t* dst, const uint8_t* x, const uint8_t* x_sf, int blocks) {
   for (int blk = threadIdx.x; blk < blocks; blk += 32 * kGemvWarps) {
-    const uint4 lo = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32));
-    const uint4 hi = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32 + 16));
-    const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     const float f = ue8m0_float(__ldcg(x_sf + blk));
     uint32_t v[16];
+    if constexpr (kFP4Act) {
+      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 16));
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-    for (int t = 0; t < 4; ++t)
+      for (int t = 0; t < 4; ++t) {
+        v[4 * t] = e2m1_pair_bf16<0>(w[t], f), v[4 * t + 1] = e2m1_pair_bf16<1>(w[t], f);
+        v[4 * t + 2] = e2m1_pair_bf16<2>(w[t], f), v[4 * t + 3] = e2m1_pair_bf16<3>(w[t], f);
+      }
+    } else {
+      const uint4 lo = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32));
+      const uint4 hi = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32 + 16));
+      const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-      for (int p = 0; p < 4; ++p) v[4 * t + p] = fp8_pair_bf16(w, t, p, f);
+      for (int t = 0; t < 4; ++t)
+#pragma unroll
+        for (int p = 0; p < 4; ++p) v[4 * t + p] = fp8_pair_bf16(w, t, p, f);
+    }
     uint4* d = reinterpret_cast<uint4*>(dst + blk * 16);
 #pragma unroll
     for (int i = 0; i < 4; ++i) d[i] = make_uint4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
@@ -266,7 +294,7 @@ __device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const i
 
 // L1: item ob of a slot = the 32 gate rows of outputs [32 ob, 32 ob + 32) and their up rows, 64
 // further (transform_weights' interleave: chunk 2j = gate rows [64j, 64j + 64), chunk 2j + 1 = the matching up rows).
-template <bool kFast>
+template <bool kFast, bool kFP4Act>
 __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p, uint8_t* buffer,
                                                                       layout::BufferLayout l, float clamp,
                                                                       int* recv_stats) {
@@ -292,7 +320,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
     if ((id < 0 || id >= num_experts) && id != -1) record_error(buffer, l, layout::kErrorExpertId, id, 0, slot);
     if (id >= 0 && id < num_experts && recv_stats != nullptr) atomicAdd(recv_stats + id, 1);  // slots counted
   }
-  convert_token(s.token, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
+  convert_token<kFP4Act>(s.token, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
   const float* weights = reinterpret_cast<const float*>(buffer + l.topk_weights_offset);
   consume(s, p, ids, num_experts, 0, rows_of, [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int ob) {
@@ -302,13 +330,22 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
     const float u = __bfloat162float(__float2bfloat16_rn(warps_sum(part, kL1Outputs + lane)));
     const float a = swiglu_value<kFast>(g, u, __ldcg(weights + slot), clamp);
     const float amax = warp_reduce_max<32>(fabsf(a));
-    const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / kFP8Max);
-    buffer[l.pool_offset + int64_t(slot) * inter + ob * kL1Outputs + lane] = to_fp8(a * pow2_reciprocal(scale));
+    const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / (kFP4Act ? kE2M1Max : kFP8Max));
+    if constexpr (kFP4Act) {  // E2M1, low nibble first: lane 2i's byte takes lane 2i + 1's code
+      const uint32_t code = e2m1_code(a * pow2_reciprocal(scale));
+      const uint32_t odd = __shfl_down_sync(0xffffffffu, code, 1);
+      if (lane % 2 == 0)
+        buffer[l.pool_offset + int64_t(slot) * (inter / 2) + ob * (kL1Outputs / 2) + lane / 2] =
+            static_cast<uint8_t>(code | (odd << 4));
+    } else {
+      buffer[l.pool_offset + int64_t(slot) * inter + ob * kL1Outputs + lane] = to_fp8(a * pow2_reciprocal(scale));
+    }
     if (lane == 0) buffer[l.pool_sf_offset + int64_t(slot) * blocks + ob] = ue8m0_bits(scale);
   });
 }
 
 // L2: item rb of a slot = weight rows [64 rb, 64 rb + 64) -> bf16 of the slot's combine row.
+template <bool kFP4Act>
 __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p, uint8_t* buffer,
                                                                       layout::BufferLayout l) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -333,7 +370,8 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
   ptx::grid_dependency_wait();  // L1's outputs
   ptx::launch_dependents();
   for (int slot = 0; slot < top_k; ++slot)
-    convert_token(s.token + slot * (inter / 32) * 16, buffer + l.pool_offset + int64_t(slot) * inter,
+    convert_token<kFP4Act>(s.token + slot * (inter / 32) * 16,
+                           buffer + l.pool_offset + int64_t(slot) * (kFP4Act ? inter / 2 : inter),
                   buffer + l.pool_sf_offset + int64_t(slot) * (inter / 32), inter / 32);
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
   __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(buffer + l.combine_offset);  // token 0's slots
@@ -362,19 +400,31 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
   const dim3 g1(std::min(num_sms, p1.items * top_k)), g2(std::min(num_sms, p2.items * top_k));
   const int smem1 = heuristics::fp4_gemv_smem_bytes(hidden, hidden / 32, l1_stages);
   const int smem2 = heuristics::fp4_gemv_smem_bytes(inter, top_k * (inter / 32), l2_stages);
-  if (fast_math) {
-    allow_dynamic_smem<fp4_gemv_l1_kernel<true>>(heuristics::kFp4GemvSmemLimit);
-    launch_pdl(fp4_gemv_l1_kernel<true>, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout, activation_clamp,
+  auto launch = [&](auto l1_kernel, auto l2_kernel) {
+    allow_dynamic_smem<decltype(l1_kernel)::value>(heuristics::kFp4GemvSmemLimit);
+    launch_pdl(decltype(l1_kernel)::value, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout, activation_clamp,
                recv_stats);
+    MEGAMOE_CUDA_CHECK(cudaGetLastError());
+    allow_dynamic_smem<decltype(l2_kernel)::value>(heuristics::kFp4GemvSmemLimit);
+    launch_pdl(decltype(l2_kernel)::value, g2, dim3(kGemvThreads), smem2, stream, p2, buffer, layout);
+    MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  };
+  using std::integral_constant;
+  if (layout.act_fp4) {
+    if (fast_math)
+      launch(integral_constant<decltype(&fp4_gemv_l1_kernel<true, true>), &fp4_gemv_l1_kernel<true, true>>{},
+             integral_constant<decltype(&fp4_gemv_l2_kernel<true>), &fp4_gemv_l2_kernel<true>>{});
+    else
+      launch(integral_constant<decltype(&fp4_gemv_l1_kernel<false, true>), &fp4_gemv_l1_kernel<false, true>>{},
+             integral_constant<decltype(&fp4_gemv_l2_kernel<true>), &fp4_gemv_l2_kernel<true>>{});
   } else {
-    allow_dynamic_smem<fp4_gemv_l1_kernel<false>>(heuristics::kFp4GemvSmemLimit);
-    launch_pdl(fp4_gemv_l1_kernel<false>, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout, activation_clamp,
-               recv_stats);
+    if (fast_math)
+      launch(integral_constant<decltype(&fp4_gemv_l1_kernel<true, false>), &fp4_gemv_l1_kernel<true, false>>{},
+             integral_constant<decltype(&fp4_gemv_l2_kernel<false>), &fp4_gemv_l2_kernel<false>>{});
+    else
+      launch(integral_constant<decltype(&fp4_gemv_l1_kernel<false, false>), &fp4_gemv_l1_kernel<false, false>>{},
+             integral_constant<decltype(&fp4_gemv_l2_kernel<false>), &fp4_gemv_l2_kernel<false>>{});
   }
-  MEGAMOE_CUDA_CHECK(cudaGetLastError());
-  allow_dynamic_smem<fp4_gemv_l2_kernel>(heuristics::kFp4GemvSmemLimit);
-  launch_pdl(fp4_gemv_l2_kernel, g2, dim3(kGemvThreads), smem2, stream, p2, buffer, layout);
-  MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace megamoe::kernels

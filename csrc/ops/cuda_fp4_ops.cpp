@@ -48,7 +48,9 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
                                aligned16(l2_weights_sf) && aligned16(l1_weights_global_sf) &&
                                aligned16(l2_weights_global_sf);
   if (weights_aligned &&
-      heuristics::fp4_gemv(t, l.num_ranks, format == WeightFormat::kMXFP4 && args.recipe == ActRecipe::kFP8UE8M0Block32,
+      heuristics::fp4_gemv(t, l.num_ranks,
+                           format == WeightFormat::kMXFP4 &&
+                               (args.recipe == ActRecipe::kFP8UE8M0Block32 || args.recipe == ActRecipe::kMXFP4),
                            l.hidden, l.intermediate, l.top_k)) {
     auto layer = [&](const at::Tensor& w, const at::Tensor& sf, const at::Tensor& row_exp, int64_t n, int64_t k) {
       return kernels::Fp4GemvLayer{static_cast<const uint8_t*>(w.data_ptr()), static_cast<const uint8_t*>(sf.data_ptr()),
