@@ -407,13 +407,12 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
 template <bool kFast, bool kFP4Act, bool kNV>
 void launch_gemv(const GemvPass& p1, const GemvPass& p2, dim3 g1, dim3 g2, int smem1, int smem2, uint8_t* buffer,
                  const layout::BufferLayout& layout, float activation_clamp, int* recv_stats, cudaStream_t stream) {
-  constexpr auto l1_kernel = fp4_gemv_l1_kernel<kFast, kFP4Act, kNV>;
-  constexpr auto l2_kernel = fp4_gemv_l2_kernel<kFP4Act, kNV>;
-  allow_dynamic_smem<l1_kernel>(heuristics::kFp4GemvSmemLimit);
-  launch_pdl(l1_kernel, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout, activation_clamp, recv_stats);
+  allow_dynamic_smem<fp4_gemv_l1_kernel<kFast, kFP4Act, kNV>>(heuristics::kFp4GemvSmemLimit);
+  launch_pdl(fp4_gemv_l1_kernel<kFast, kFP4Act, kNV>, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout,
+             activation_clamp, recv_stats);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
-  allow_dynamic_smem<l2_kernel>(heuristics::kFp4GemvSmemLimit);
-  launch_pdl(l2_kernel, g2, dim3(kGemvThreads), smem2, stream, p2, buffer, layout);
+  allow_dynamic_smem<fp4_gemv_l2_kernel<kFP4Act, kNV>>(heuristics::kFp4GemvSmemLimit);
+  launch_pdl(fp4_gemv_l2_kernel<kFP4Act, kNV>, g2, dim3(kGemvThreads), smem2, stream, p2, buffer, layout);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
