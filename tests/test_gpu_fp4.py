@@ -934,6 +934,9 @@ def test_mxfp4_w4a4_fold_split_equals_converters_split(num_tokens, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # The GEMV path: one token on one rank, MXFP4 weights with FP8 tokens (heuristics::fp4_gemv)
 # ------------------------------------------------------------------------------------------------
+GEMV_PAIRS = [("mxfp4", "fp8"), ("mxfp4", "fp4"), ("nvfp4", "fp8")]  # heuristics::fp4_gemv's (weights, tokens)
+
+
 def run_marked(case, **kwargs):
     """run_poisoned with routing's first per-expert row count poisoned first; returns (y, whether routing rewrote it,
     i.e. whether the tile walk took the call: the GEMV path runs no routing)."""
@@ -946,15 +949,15 @@ def run_marked(case, **kwargs):
 @pytest.mark.parametrize("shape", [(8, 256, 384, 3), (16, 1024, 512, 4), (64, 640, 896, 8)],
                          ids=["row-scales", "scale-tiles", "odd"])
 @pytest.mark.parametrize("clamp,fast_math", [(None, True), (0.5, False)], ids=["plain", "clamp-exact"])
-@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
-def test_fp4_gemv_one_token(shape, clamp, fast_math, act_format, monkeypatch):
-    """MXFP4 w4a8 and w4a4 at T=1 on one rank take the GEMV path (routing does not run) and agrees with the reference and with
+@pytest.mark.parametrize("weight_format,act_format", GEMV_PAIRS)
+def test_fp4_gemv_one_token(shape, clamp, fast_math, weight_format, act_format, monkeypatch):
+    """MXFP4 w4a8 and w4a4 and NVFP4 w4a8 at T=1 on one rank take the GEMV path (routing does not run) and agrees with the reference and with
     the tile walk (MEGAMOE_FP4_GEMV=0, which routing shows it took; another summation: within the tolerance, not
     bitwise); repeated calls are bitwise equal. Shapes: row-major scales (K / 32 not a multiple of 16), scale tiles in
     both GEMMs, an odd one (hidden 640, intermediate 896: 5 and 7 groups of 128 over 8 warps, some with none). With the
     clamp biting (x scaled up) and the exact silu."""
     e, h, i, k = shape
-    case = make_case(e, h, i, k, 1, "mxfp4", act_format, device="cuda", masked_fraction=0.0, seed=811 + h)
+    case = make_case(e, h, i, k, 1, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=811 + h)
     if clamp is not None:
         case.x = case.x * 4
     ref = case.reference(activation_clamp=clamp)
@@ -1013,12 +1016,12 @@ def test_fp4_gemv_scale_range(scale_byte, monkeypatch):
 
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
 def test_fp4_gemv_deepseek_v4_graph(model_layer, act_format, monkeypatch):
-    """DeepSeek-V4 shapes at T=1 (MXFP4 w4a8 and w4a4) on the GEMV path (routing does not run): against the reference and
-    the tile walk (MEGAMOE_FP4_GEMV=0), and captured in a CUDA graph replayed with new inputs (a new token, ids with a
+    """DeepSeek-V4 shapes at T=1 (MXFP4 w4a8 and w4a4, NVFP4 w4a8) on the GEMV path (routing does not run): against the
+    reference and the tile walk (MEGAMOE_FP4_GEMV=0), and captured in a CUDA graph replayed with new inputs (a new token, ids with a
     masked and a repeated slot, new weights): the same bits as an eager call on them."""
     name, weight_format, (e, k, h, i), (w13, sf13, g13, w2, sf2, g2), l1, l2 = model_layer
-    if weight_format != "mxfp4":
-        pytest.skip("the GEMV path takes MXFP4 weights")
+    if (weight_format, act_format) not in GEMV_PAIRS:
+        pytest.skip("not a GEMV pair (heuristics::fp4_gemv)")
     monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
     buf = megamoe.get_symm_buffer(None, e, 1, k, h, i, act_format=act_format)
     x = torch.randn(1, h, device="cuda").bfloat16()
@@ -1028,11 +1031,11 @@ def test_fp4_gemv_deepseek_v4_graph(model_layer, act_format, monkeypatch):
     buf.buffer[off:off + 4].fill_(0x7F)
 
     def step():
-        megamoe.pre_dispatch(x, idx, w, buf, weight_format="mxfp4")
-        megamoe.fp8_fp4_mega_moe(out, l1, l2, buf, weight_format="mxfp4")
+        megamoe.pre_dispatch(x, idx, w, buf, weight_format=weight_format)
+        megamoe.fp8_fp4_mega_moe(out, l1, l2, buf, weight_format=weight_format)
 
     def ref():
-        return reference.mega_moe(x, idx, w, w13, w2, weight_format="mxfp4", act_format=act_format, w13_sf=sf13,
+        return reference.mega_moe(x, idx, w, w13, w2, weight_format=weight_format, act_format=act_format, w13_sf=sf13,
                                   w2_sf=sf2, w13_global_sf=g13, w2_global_sf=g2)
 
     graph = capture_graph(step)  # one eager call first, then the capture
@@ -1060,12 +1063,12 @@ def test_fp4_gemv_deepseek_v4_graph(model_layer, act_format, monkeypatch):
 
 
 @pytest.mark.parametrize("clamp", [None, 3.0])
-@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
-def test_fp4_gemv_nan_token_is_never_silent(clamp, act_format, monkeypatch):
+@pytest.mark.parametrize("weight_format,act_format", GEMV_PAIRS)
+def test_fp4_gemv_nan_token_is_never_silent(clamp, weight_format, act_format, monkeypatch):
     """A NaN in the token's hidden state makes its output non-finite on the GEMV path (the token's scale, the clamp
     and the L1 requantization keep it), as on the tile walk."""
     monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
-    case = make_case(8, 256, 384, 3, 1, "mxfp4", act_format, device="cuda", masked_fraction=0.0, seed=814)
+    case = make_case(8, 256, 384, 3, 1, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=814)
     case.x = case.x.clone()
     case.x[0, 17] = float("nan")
     y, routed = run_marked(case, activation_clamp=clamp)

@@ -252,7 +252,7 @@ inline bool choose_mxfp4_fp8_mma() {
 }
 
 // FP4 GEMV path for one token on one rank (sm90_fp4_gemv.cu; docs/plans/fp4-gemv.md): MXFP4 weights with FP8 or MXFP4
-// tokens (UE8M0 per 32: w4a8, w4a4),
+// tokens (UE8M0 per 32: w4a8, w4a4), NVFP4 weights with FP8 tokens (w4a8),
 // hidden and intermediate multiples of 128, two ring stages of either layer in shared memory (fp4_gemv_stages). Exact
 // products and float32 sums on mma.sync, not the default walk's FP8 wgmmas on folded values: other bits, so not with
 // peers (EP's ranks must round alike whatever their token counts; the EP tests' EP=1 runs turn it off).
@@ -266,27 +266,32 @@ constexpr int kFp4GemvMaxSlots = 64;       // top_k
 constexpr int kFp4GemvHeaderBytes = 2 * kFp4GemvMaxStages * 8 + 4 * kFp4GemvMaxSlots + 64;  // barriers, slot ids, zeros
 constexpr int kFp4GemvPartBytes = 2 * 16 * 64 * 4;  // the consumer warps' partial sums, two items
 constexpr int kFp4GemvSmemLimit = 232448;  // H100 / H200 / H20: 227 KB of dynamic shared memory a CTA
-// A ring stage: 16 rows of k (E2M1), their k / 32 scale bytes and their 16 row exponents, rounded up to 128 bytes.
-constexpr int fp4_gemv_stage_bytes(int64_t k) {
-  return static_cast<int>((kFp4GemvTileRows * (k / 2 + k / 32 + 1) + 127) / 128 * 128);
+// A ring stage: 16 rows of k (E2M1), their k / scale_block scale bytes and (MXFP4) their 16 row exponents, rounded up
+// to 128 bytes.
+constexpr int fp4_gemv_stage_bytes(int64_t k, int scale_block) {
+  return static_cast<int>((kFp4GemvTileRows * (k / 2 + k / scale_block + 1) + 127) / 128 * 128);
 }
 // The token(s) as bf16 B fragments: 64 bytes a 32-K block.
 constexpr int fp4_gemv_token_bytes(int64_t blocks) { return static_cast<int>(blocks * 64); }
-constexpr int fp4_gemv_smem_bytes(int64_t k, int64_t token_blocks, int stages) {
-  return kFp4GemvHeaderBytes + kFp4GemvPartBytes + fp4_gemv_token_bytes(token_blocks) + stages * fp4_gemv_stage_bytes(k);
+constexpr int fp4_gemv_smem_bytes(int64_t k, int scale_block, int64_t token_blocks, int stages) {
+  return kFp4GemvHeaderBytes + kFp4GemvPartBytes + fp4_gemv_token_bytes(token_blocks) +
+         stages * fp4_gemv_stage_bytes(k, scale_block);
 }
 // As many stages as fit, up to kFp4GemvMaxStages (V4-Flash L1 / L2: 6 / 8; V4-Pro: 3 / 6: 100-180 KB a SM in flight,
 // where ~25 KB keep the H100's HBM busy).
-inline int fp4_gemv_stages(int64_t k, int64_t token_blocks) {
-  const int64_t free = kFp4GemvSmemLimit - fp4_gemv_smem_bytes(k, token_blocks, 0);
-  return free <= 0 ? 0 : static_cast<int>(std::min<int64_t>(kFp4GemvMaxStages, free / fp4_gemv_stage_bytes(k)));
+inline int fp4_gemv_stages(int64_t k, int scale_block, int64_t token_blocks) {
+  const int64_t free = kFp4GemvSmemLimit - fp4_gemv_smem_bytes(k, scale_block, token_blocks, 0);
+  return free <= 0 ? 0
+                   : static_cast<int>(std::min<int64_t>(kFp4GemvMaxStages, free / fp4_gemv_stage_bytes(k, scale_block)));
 }
-inline bool fp4_gemv(int64_t num_tokens, int64_t num_ranks, bool mxfp4_ue8m0_tokens, int64_t hidden,
+// scale_block: the weights' (32: MXFP4, 16: NVFP4); supported: MXFP4 with FP8 or MXFP4 tokens, NVFP4 with FP8 tokens.
+inline bool fp4_gemv(int64_t num_tokens, int64_t num_ranks, bool supported, int scale_block, int64_t hidden,
                      int64_t intermediate, int64_t top_k) {
-  if (num_tokens != 1 || num_ranks != 1 || !mxfp4_ue8m0_tokens || hidden % 128 != 0 || intermediate % 128 != 0 ||
+  if (num_tokens != 1 || num_ranks != 1 || !supported || hidden % 128 != 0 || intermediate % 128 != 0 ||
       top_k > kFp4GemvMaxSlots)
     return false;
-  if (fp4_gemv_stages(hidden, hidden / 32) < 2 || fp4_gemv_stages(intermediate, top_k * (intermediate / 32)) < 2)
+  if (fp4_gemv_stages(hidden, scale_block, hidden / 32) < 2 ||
+      fp4_gemv_stages(intermediate, scale_block, top_k * (intermediate / 32)) < 2)
     return false;
   const char* env = std::getenv("MEGAMOE_FP4_GEMV");
   return env == nullptr || env[0] != '0';

@@ -128,8 +128,9 @@ void launch_fold_mxfp4(const uint8_t* src, const uint8_t* src_sf, int64_t k, uin
 // recv_stats as routing does.
 struct Fp4GemvLayer {
   const uint8_t* weights;     // packed E2M1 [E, n, k / 2] (transform_weights' kernel layout)
-  const uint8_t* weights_sf;  // UE8M0 [E, n, k / 32], as scale tiles where scale_tiles (formats.hpp)
-  const uint8_t* row_exp;     // [E, n]: each row's largest scale byte (transform_weights' third MXFP4 tensor)
+  const uint8_t* weights_sf;  // UE8M0 [E, n, k / 32] (NVFP4: UE4M3 [E, n, k / 16]), as scale tiles where scale_tiles
+  const uint8_t* row_exp;     // MXFP4 [E, n]: each row's largest scale byte (transform_weights' third tensor); NVFP4 null
+  const float* global_sf;     // NVFP4 [E]: the per-expert global scale (third tensor); MXFP4 null
   bool scale_tiles;
 };
 void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* buffer, const layout::BufferLayout& layout,

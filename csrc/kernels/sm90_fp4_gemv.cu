@@ -39,9 +39,11 @@ namespace megamoe::kernels {
 namespace {
 
 using fp4::decode_rows_bf16;
+using fp4::act_factor_ue8m0_f32;
 using fp4::e2m1x2_raw;
 using fp4::fp8_pair_bf16;
 using fp4::kBF16x2Pow2_126;
+using fp4::weight_factor_nv;
 using heuristics::kFp4GemvTileRows;
 
 constexpr int kGemvWarps = 16;  // consumer warps (8: 3-4 % slower at V4-Flash T=1, the same at V4-Pro); one more produces
@@ -74,6 +76,8 @@ __device__ __forceinline__ uint32_t relative_factor(uint32_t s, uint32_t e) {
 struct GemvPass {
   Fp4GemvLayer w;
   int n, k, items, slots;  // slots: top_k (items of slot j are j x items ..)
+  int scale_block;         // 32 (MXFP4: UE8M0, row exponents in w.row_exp) or 16 (NVFP4: UE4M3, w.row_exp = the
+                           // float32 global scale per expert)
   int stages;              // ring stages (heuristics::fp4_gemv_stages)
 };
 
@@ -116,10 +120,12 @@ __device__ __forceinline__ uint32_t e2m1_pair_bf16(uint32_t w, float f) {
 // Token blocks [0, blocks) (E4M3 bytes `x` [32 blk ..], or with kFP4Act E2M1 `x` [16 blk ..]; UE8M0 `x_sf` [blk]) ->
 // their B fragments in shared memory, by the consumer warps. Exact in bf16 for every scale the quantizers write (>=
 // 1e-4 / 448: normal), up to 2^119.
-template <bool kFP4Act>
+template <bool kFP4Act, bool kNV>
 __device__ __forceinline__ void convert_token(uint32_t* dst, const uint8_t* x, const uint8_t* x_sf, int blocks) {
+  static_assert(!(kFP4Act && kNV), "NVFP4 weights take FP8 tokens here");
   for (int blk = threadIdx.x; blk < blocks; blk += 32 * kGemvWarps) {
-    const float f = ue8m0_float(__ldcg(x_sf + blk));
+    // NVFP4: x 2^kSplit, as the walk's BF16 path (its weights carry 2^-kSplit).
+    const float f = kNV ? act_factor_ue8m0_f32(__ldcg(x_sf + blk)) : ue8m0_float(__ldcg(x_sf + blk));
     uint32_t v[16];
     if constexpr (kFP4Act) {
       const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 16));
@@ -147,12 +153,12 @@ __device__ __forceinline__ void convert_token(uint32_t* dst, const uint8_t* x, c
 // Producer lane: every tile of the CTA's items whose slot holds a valid id, in the consumers' order. A tile is one
 // bulk copy of its 16 rows (contiguous), its scale bytes (rows: one copy; scale tiles: one 256-byte piece per 16
 // blocks) and its 16 row exponents.
-template <typename RowsOf>
+template <bool kNV, typename RowsOf>
 __device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
                                         RowsOf rows_of) {
-  const int kb = p.k / 32, row_bytes = p.k / 2;
-  const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k);
-  const uint32_t tile_bytes = kFp4GemvTileRows * (row_bytes + kb + 1);
+  const int kb = p.k / (kNV ? 16 : 32), row_bytes = p.k / 2;
+  const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k, kNV ? 16 : 32);
+  const uint32_t tile_bytes = kFp4GemvTileRows * (row_bytes + kb + (kNV ? 0 : 1));
   int stage = 0;
   uint32_t phase = 0;
   const int total = p.items * p.slots;
@@ -181,7 +187,8 @@ __device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, co
       } else {
         ptx::bulk_load(dst_sf, p.w.weights_sf + row * kb, kFp4GemvTileRows * kb, &s.full[stage]);
       }
-      ptx::bulk_load(dst_sf + kFp4GemvTileRows * kb, p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);
+      if constexpr (!kNV)
+        ptx::bulk_load(dst_sf + kFp4GemvTileRows * kb, p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);
       if (++stage == p.stages) stage = 0, phase ^= 1;
     }
   }
@@ -191,17 +198,22 @@ __device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, co
 // column 0 in lanes 4i, registers 0 (row i) and 2 (row i + 8)), relative to the rows' largest scales ea / eb (read
 // here from the stage). Rows are k / 2 bytes apart: lanes of two rows share banks (two-way: ~500 cycles of a tile's
 // ~2,900 of streaming at V4-Flash L1, not the bound).
+template <bool kNV>
 __device__ __forceinline__ void consume_tile(float (&acc)[4], uint32_t& ea, uint32_t& eb, const uint8_t* tile,
                                              const uint32_t* token, const uint32_t* zeros, bool scale_tiles, int k,
                                              int g_begin, int g_end, int lane) {
-  const int q = lane % 4, rr = lane / 4, kb = k / 32, row_bytes = k / 2;
+  const int q = lane % 4, rr = lane / 4, kb = k / (kNV ? 16 : 32), row_bytes = k / 2;
   const uint8_t* sf = tile + kFp4GemvTileRows * row_bytes;
-  ea = sf[kFp4GemvTileRows * kb + rr];
-  eb = sf[kFp4GemvTileRows * kb + rr + 8];
+  if constexpr (!kNV) {
+    ea = sf[kFp4GemvTileRows * kb + rr];
+    eb = sf[kFp4GemvTileRows * kb + rr + 8];
+  }
   // Lane q's block 4g + q: its scale byte of row rr at sf_row + sf_offset(g) (scale tiles: byte (g / 4) x 256 + (g % 4)
   // x 4 past the row's block q; rows: 4g), and rr + 8's one row further. The token's B fragments: lanes 0-3 read
   // theirs, 64 bytes a block; the others read 64 zero bytes (no registers to zero a group).
-  const int sf_row = scale_tiles ? rr * kScaleTileBytes + q : rr * kb + q;
+  // NVFP4: the block's two UE4M3 bytes (16 K each), adjacent: 2q past the row's first, then (g / 2) x 256 + (g % 2) x 8
+  // (scale tiles) or 8g.
+  const int sf_row = (scale_tiles ? rr * kScaleTileBytes : rr * kb) + (kNV ? 2 * q : q);
   const int sf_row8 = scale_tiles ? 8 * kScaleTileBytes : 8 * kb;
   const uint32_t* token_lane = lane < 4 ? token + q * 16 : zeros;
   const int token_step = lane < 4 ? 64 : 0;
@@ -210,7 +222,8 @@ __device__ __forceinline__ void consume_tile(float (&acc)[4], uint32_t& ea, uint
     const uint4 wa = *reinterpret_cast<const uint4*>(tile + rr * row_bytes + blk * 16);
     const uint4 wb = *reinterpret_cast<const uint4*>(tile + (rr + 8) * row_bytes + blk * 16);
     const uint32_t ug = static_cast<uint32_t>(g);
-    const int ia = sf_row + static_cast<int>(scale_tiles ? ((ug >> 2) << 8) | ((ug & 3) << 2) : 4 * ug);
+    const int ia = sf_row + static_cast<int>(kNV ? (scale_tiles ? ((ug >> 1) << 8) | ((ug & 1) << 3) : 8 * ug)
+                                                 : (scale_tiles ? ((ug >> 2) << 8) | ((ug & 3) << 2) : 4 * ug));
     const int ib = ia + sf_row8;
     static_assert(kScaleTileBytes == 16 && kFp4GemvTileRows * kScaleTileBytes == 256, "sf_offset's constants");
     uint32_t b[8][2];
@@ -220,8 +233,15 @@ __device__ __forceinline__ void consume_tile(float (&acc)[4], uint32_t& ea, uint
       const uint4 v = t[i];
       b[2 * i][0] = v.x, b[2 * i][1] = v.y, b[2 * i + 1][0] = v.z, b[2 * i + 1][1] = v.w;
     }
-    const uint32_t fa[2] = {relative_factor(sf[ia], ea), relative_factor(sf[ia], ea)};
-    const uint32_t fb[2] = {relative_factor(sf[ib], eb), relative_factor(sf[ib], eb)};
+    uint32_t fa[2], fb[2];
+    if constexpr (kNV) {  // e2m1 x ue4m3 x 2^-kSplit, as the walk's BF16 path (tokens x 2^kSplit)
+      const uint32_t sa = *reinterpret_cast<const uint16_t*>(sf + ia), sb = *reinterpret_cast<const uint16_t*>(sf + ib);
+      fa[0] = weight_factor_nv(sa & 0xFF), fa[1] = weight_factor_nv(sa >> 8);
+      fb[0] = weight_factor_nv(sb & 0xFF), fb[1] = weight_factor_nv(sb >> 8);
+    } else {
+      fa[0] = fa[1] = relative_factor(sf[ia], ea);
+      fb[0] = fb[1] = relative_factor(sf[ib], eb);
+    }
     const uint32_t wa4[4] = {wa.x, wa.y, wa.z, wa.w}, wb4[4] = {wb.x, wb.y, wb.z, wb.w};
     uint32_t a[8][4];
     decode_rows_bf16(a, wa4, wb4, fa, fb);
@@ -234,12 +254,12 @@ __device__ __forceinline__ void consume_tile(float (&acc)[4], uint32_t& ea, uint
 // row's sums times 2^(e - 127) (its largest scale byte e; 255: NaN, as on the FP8-wgmma path) into part[parity][warp],
 // a consumer barrier, then epilogue(part of the item, slot, item index in the slot) by the first warps. The token of
 // slot j is B fragments at token + j x token_words.
-template <typename RowsOf, typename Epilogue>
+template <bool kNV, typename RowsOf, typename Epilogue>
 __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
                                         int token_words, RowsOf rows_of, Epilogue epilogue) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int groups = p.k / 128, g_begin = warp * groups / kGemvWarps, g_end = (warp + 1) * groups / kGemvWarps;
-  const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k);
+  const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k, kNV ? 16 : 32);
   int stage = 0, parity = 0;
   uint32_t phase = 0;
   const int total = p.items * p.slots;
@@ -248,12 +268,13 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
     const int id = ids[slot];
     if (id < 0 || id >= num_experts) continue;  // the producer skips it too
     const uint32_t* token = s.token + slot * token_words;
+    const float global = kNV ? __ldg(p.w.global_sf + id) : 1.0f;
     float acc[4][4] = {};
     uint32_t ea[4], eb[4];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       ptx::mbarrier_wait(&s.full[stage], phase);
-      consume_tile(acc[m], ea[m], eb[m], s.ring + stage * stage_bytes, token, s.zeros, p.w.scale_tiles, p.k, g_begin,
+      consume_tile<kNV>(acc[m], ea[m], eb[m], s.ring + stage * stage_bytes, token, s.zeros, p.w.scale_tiles, p.k, g_begin,
                    g_end, lane);
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
@@ -262,8 +283,8 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
     if (lane % 4 == 0) {
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        s.part[parity][warp][16 * m + lane / 4] = acc[m][0] * ue8m0_float(ea[m]);
-        s.part[parity][warp][16 * m + lane / 4 + 8] = acc[m][2] * ue8m0_float(eb[m]);
+        s.part[parity][warp][16 * m + lane / 4] = acc[m][0] * (kNV ? global : ue8m0_float(ea[m]));
+        s.part[parity][warp][16 * m + lane / 4 + 8] = acc[m][2] * (kNV ? global : ue8m0_float(eb[m]));
       }
     }
     // One barrier an item: part[parity] is written again two items on, after every warp passed the next barrier,
@@ -294,7 +315,7 @@ __device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const i
 
 // L1: item ob of a slot = the 32 gate rows of outputs [32 ob, 32 ob + 32) and their up rows, 64
 // further (transform_weights' interleave: chunk 2j = gate rows [64j, 64j + 64), chunk 2j + 1 = the matching up rows).
-template <bool kFast, bool kFP4Act>
+template <bool kFast, bool kFP4Act, bool kNV>
 __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p, uint8_t* buffer,
                                                                       layout::BufferLayout l, float clamp,
                                                                       int* recv_stats) {
@@ -312,7 +333,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
   };
   const int warp = threadIdx.x / 32;
   if (warp == kGemvWarps) {
-    if (threadIdx.x % 32 == 0) produce(s, p, ids, num_experts, rows_of);
+    if (threadIdx.x % 32 == 0) produce<kNV>(s, p, ids, num_experts, rows_of);
     return;
   }
   for (int slot = threadIdx.x; blockIdx.x == 0 && slot < p.slots; slot += 32 * kGemvWarps) {  // as routing: bad ids
@@ -320,10 +341,10 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
     if ((id < 0 || id >= num_experts) && id != -1) record_error(buffer, l, layout::kErrorExpertId, id, 0, slot);
     if (id >= 0 && id < num_experts && recv_stats != nullptr) atomicAdd(recv_stats + id, 1);  // slots counted
   }
-  convert_token<kFP4Act>(s.token, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
+  convert_token<kFP4Act, kNV>(s.token, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
   const float* weights = reinterpret_cast<const float*>(buffer + l.topk_weights_offset);
-  consume(s, p, ids, num_experts, 0, rows_of, [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int ob) {
+  consume<kNV>(s, p, ids, num_experts, 0, rows_of, [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int ob) {
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x, blocks = inter / kL1Outputs;
     const float g = __bfloat162float(__float2bfloat16_rn(warps_sum(part, lane)));
@@ -345,7 +366,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
 }
 
 // L2: item rb of a slot = weight rows [64 rb, 64 rb + 64) -> bf16 of the slot's combine row.
-template <bool kFP4Act>
+template <bool kFP4Act, bool kNV>
 __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p, uint8_t* buffer,
                                                                       layout::BufferLayout l) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -364,22 +385,35 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
   if (warp == kGemvWarps) {
     // The producer streams weights before L1 ends (they do not depend on it). It does not wait at all: this grid's end
     // (combine's wait) follows the consumers', which wait.
-    if (threadIdx.x % 32 == 0) produce(s, p, ids, num_experts, rows_of);
+    if (threadIdx.x % 32 == 0) produce<kNV>(s, p, ids, num_experts, rows_of);
     return;
   }
   ptx::grid_dependency_wait();  // L1's outputs
   ptx::launch_dependents();
   for (int slot = 0; slot < top_k; ++slot)
-    convert_token<kFP4Act>(s.token + slot * (inter / 32) * 16,
+    convert_token<kFP4Act, kNV>(s.token + slot * (inter / 32) * 16,
                            buffer + l.pool_offset + int64_t(slot) * (kFP4Act ? inter / 2 : inter),
                   buffer + l.pool_sf_offset + int64_t(slot) * (inter / 32), inter / 32);
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
   __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(buffer + l.combine_offset);  // token 0's slots
-  consume(s, p, ids, num_experts, (inter / 32) * 16, rows_of,
+  consume<kNV>(s, p, ids, num_experts, (inter / 32) * 16, rows_of,
           [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int rb) {
             if (threadIdx.x >= kGemvRows) return;
             out[int64_t(slot) * hidden + rb * kGemvRows + threadIdx.x] = __float2bfloat16_rn(warps_sum(part, threadIdx.x));
           });
+}
+
+// L1 then L2, each a persistent grid with its ring's dynamic shared memory.
+template <bool kFast, bool kFP4Act, bool kNV>
+void launch_gemv(const GemvPass& p1, const GemvPass& p2, dim3 g1, dim3 g2, int smem1, int smem2, uint8_t* buffer,
+                 const layout::BufferLayout& layout, float activation_clamp, int* recv_stats, cudaStream_t stream) {
+  allow_dynamic_smem<fp4_gemv_l1_kernel<kFast, kFP4Act, kNV>>(heuristics::kFp4GemvSmemLimit);
+  launch_pdl(fp4_gemv_l1_kernel<kFast, kFP4Act, kNV>, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout,
+             activation_clamp, recv_stats);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
+  allow_dynamic_smem<fp4_gemv_l2_kernel<kFP4Act, kNV>>(heuristics::kFp4GemvSmemLimit);
+  launch_pdl(fp4_gemv_l2_kernel<kFP4Act, kNV>, g2, dim3(kGemvThreads), smem2, stream, p2, buffer, layout);
+  MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
@@ -388,43 +422,32 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
                      float activation_clamp, bool fast_math, int* recv_stats, int num_sms, cudaStream_t stream) {
   const int top_k = static_cast<int>(layout.top_k);
   const int hidden = static_cast<int>(layout.hidden), inter = static_cast<int>(layout.intermediate);
-  const int l1_stages = heuristics::fp4_gemv_stages(hidden, hidden / 32);
-  const int l2_stages = heuristics::fp4_gemv_stages(inter, top_k * (inter / 32));
+  const bool nv = l1.global_sf != nullptr;
+  const int sb = nv ? 16 : 32;  // weight scale block
+  const int l1_stages = heuristics::fp4_gemv_stages(hidden, sb, hidden / 32);
+  const int l2_stages = heuristics::fp4_gemv_stages(inter, sb, top_k * (inter / 32));
   if (layout.num_ranks != 1 || hidden % 128 != 0 || inter % 128 != 0 || top_k > heuristics::kFp4GemvMaxSlots ||
-      l1_stages < 2 || l2_stages < 2)
+      l1_stages < 2 || l2_stages < 2 || (nv && layout.act_fp4))
     throw std::runtime_error("megamoe: the FP4 GEMV path takes one rank, hidden and intermediate multiples of 128, top_k "
                              "<= 64 and two ring stages of each layer (heuristics::fp4_gemv)");
-  const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, l1_stages};
-  const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, l2_stages};
+  const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, sb, l1_stages};
+  const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, sb, l2_stages};
   // Persistent CTAs, one an SM (the ring takes most of its shared memory), over items x top_k items.
   const dim3 g1(std::min(num_sms, p1.items * top_k)), g2(std::min(num_sms, p2.items * top_k));
-  const int smem1 = heuristics::fp4_gemv_smem_bytes(hidden, hidden / 32, l1_stages);
-  const int smem2 = heuristics::fp4_gemv_smem_bytes(inter, top_k * (inter / 32), l2_stages);
-  auto launch = [&](auto l1_kernel, auto l2_kernel) {
-    allow_dynamic_smem<decltype(l1_kernel)::value>(heuristics::kFp4GemvSmemLimit);
-    launch_pdl(decltype(l1_kernel)::value, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout, activation_clamp,
-               recv_stats);
-    MEGAMOE_CUDA_CHECK(cudaGetLastError());
-    allow_dynamic_smem<decltype(l2_kernel)::value>(heuristics::kFp4GemvSmemLimit);
-    launch_pdl(decltype(l2_kernel)::value, g2, dim3(kGemvThreads), smem2, stream, p2, buffer, layout);
-    MEGAMOE_CUDA_CHECK(cudaGetLastError());
-  };
-  using std::integral_constant;
-  if (layout.act_fp4) {
-    if (fast_math)
-      launch(integral_constant<decltype(&fp4_gemv_l1_kernel<true, true>), &fp4_gemv_l1_kernel<true, true>>{},
-             integral_constant<decltype(&fp4_gemv_l2_kernel<true>), &fp4_gemv_l2_kernel<true>>{});
-    else
-      launch(integral_constant<decltype(&fp4_gemv_l1_kernel<false, true>), &fp4_gemv_l1_kernel<false, true>>{},
-             integral_constant<decltype(&fp4_gemv_l2_kernel<true>), &fp4_gemv_l2_kernel<true>>{});
-  } else {
-    if (fast_math)
-      launch(integral_constant<decltype(&fp4_gemv_l1_kernel<true, false>), &fp4_gemv_l1_kernel<true, false>>{},
-             integral_constant<decltype(&fp4_gemv_l2_kernel<false>), &fp4_gemv_l2_kernel<false>>{});
-    else
-      launch(integral_constant<decltype(&fp4_gemv_l1_kernel<false, false>), &fp4_gemv_l1_kernel<false, false>>{},
-             integral_constant<decltype(&fp4_gemv_l2_kernel<false>), &fp4_gemv_l2_kernel<false>>{});
-  }
+  const int smem1 = heuristics::fp4_gemv_smem_bytes(hidden, sb, hidden / 32, l1_stages);
+  const int smem2 = heuristics::fp4_gemv_smem_bytes(inter, sb, top_k * (inter / 32), l2_stages);
+  if (nv)
+    (fast_math ? launch_gemv<true, false, true> : launch_gemv<false, false, true>)(p1, p2, g1, g2, smem1, smem2, buffer,
+                                                                                   layout, activation_clamp, recv_stats,
+                                                                                   stream);
+  else if (layout.act_fp4)
+    (fast_math ? launch_gemv<true, true, false> : launch_gemv<false, true, false>)(p1, p2, g1, g2, smem1, smem2, buffer,
+                                                                                   layout, activation_clamp, recv_stats,
+                                                                                   stream);
+  else
+    (fast_math ? launch_gemv<true, false, false> : launch_gemv<false, false, false>)(p1, p2, g1, g2, smem1, smem2, buffer,
+                                                                                     layout, activation_clamp,
+                                                                                     recv_stats, stream);
 }
 
 }  // namespace megamoe::kernels

@@ -47,14 +47,16 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   const bool weights_aligned = aligned16(l1_weights) && aligned16(l2_weights) && aligned16(l1_weights_sf) &&
                                aligned16(l2_weights_sf) && aligned16(l1_weights_global_sf) &&
                                aligned16(l2_weights_global_sf);
-  if (weights_aligned &&
-      heuristics::fp4_gemv(t, l.num_ranks,
-                           format == WeightFormat::kMXFP4 &&
-                               (args.recipe == ActRecipe::kFP8UE8M0Block32 || args.recipe == ActRecipe::kMXFP4),
-                           l.hidden, l.intermediate, l.top_k)) {
-    auto layer = [&](const at::Tensor& w, const at::Tensor& sf, const at::Tensor& row_exp, int64_t n, int64_t k) {
+  const bool nv_weights = format == WeightFormat::kNVFP4;
+  const bool gemv_supported = args.recipe == ActRecipe::kFP8UE8M0Block32 ||
+                              (format == WeightFormat::kMXFP4 && args.recipe == ActRecipe::kMXFP4);
+  if (weights_aligned && heuristics::fp4_gemv(t, l.num_ranks, gemv_supported, fp4_scale_block(format), l.hidden,
+                                              l.intermediate, l.top_k)) {
+    // The third tensor: MXFP4 row exponents (uint8 [E, n]) or the NVFP4 global scales (float32 [E]).
+    auto layer = [&](const at::Tensor& w, const at::Tensor& sf, const at::Tensor& third, int64_t n, int64_t k) {
       return kernels::Fp4GemvLayer{static_cast<const uint8_t*>(w.data_ptr()), static_cast<const uint8_t*>(sf.data_ptr()),
-                                   row_exp.data_ptr<uint8_t>(), fp4_scale_tiles(format, n, k)};
+                                   nv_weights ? nullptr : third.data_ptr<uint8_t>(),
+                                   nv_weights ? third.data_ptr<float>() : nullptr, fp4_scale_tiles(format, n, k)};
     };
     uint8_t* b = buffer_ptr(buffer);
     kernels::launch_fp4_gemv(layer(l1_weights, l1_weights_sf, l1_weights_global_sf, 2 * l.intermediate, l.hidden),
