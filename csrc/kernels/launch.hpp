@@ -122,10 +122,10 @@ void launch_pool_fold(uint8_t* buffer, const layout::BufferLayout& layout, float
 void launch_fold_mxfp4(const uint8_t* src, const uint8_t* src_sf, int64_t k, uint8_t* dst, float* factors,
                        const uint8_t* buffer, const layout::BufferLayout& layout, int num_sms, cudaStream_t stream);
 
-// One token on one rank, MXFP4 weights with FP8 tokens (UE8M0 per 32): the experts of its top-k slots as GEMVs on
-// mma.sync (sm90_fp4_gemv.cu; heuristics::fp4_gemv; persistent CTAs on num_sms), no routing or gather. L1 -> SwiGLU -> the L2 input (E4M3 + UE8M0
-// per 32, in the pool) -> L2 -> bf16 rows in the combine area (then launch_combine); reports bad ids and counts
-// recv_stats as routing does.
+// One token on one rank, MXFP4 weights with FP8 or MXFP4 tokens, or NVFP4 weights with FP8 tokens: the experts of its
+// top-k slots as GEMVs on mma.sync (sm90_fp4_gemv.cu; heuristics::fp4_gemv; persistent CTAs on num_sms), no routing or
+// gather. L1 -> SwiGLU -> the L2 input (E4M3, or E2M1 with MXFP4 tokens, + UE8M0 per 32, in the pool) -> L2 -> bf16
+// rows in the combine area (then launch_combine); reports bad ids and counts recv_stats as routing does.
 struct Fp4GemvLayer {
   const uint8_t* weights;     // packed E2M1 [E, n, k / 2] (transform_weights' kernel layout)
   const uint8_t* weights_sf;  // UE8M0 [E, n, k / 32] (NVFP4: UE4M3 [E, n, k / 16]), as scale tiles where scale_tiles

@@ -1,7 +1,8 @@
 // FP4 GEMV path: one token on one rank, MXFP4 weights with FP8 or MXFP4 tokens (UE8M0 scales per 32: w4a8,
-// DeepSeek-V4's checkpoint format, and w4a4). heuristics::fp4_gemv chooses it; layouts and semantics: docs/plans/fp4-gemv.md (w4a4:
-// the token's E2M1 nibbles convert to the same bf16 fragments, and L1 writes E2M1 + UE8M0 as the walk's epilogue does,
-// ceil_pow2(amax / 6) and e2m1_code).
+// DeepSeek-V4's checkpoint format, and w4a4), NVFP4 weights with FP8 tokens (kNV: UE4M3 per 16 and the expert's global
+// scale, as the walk's BF16 path splits them: weights x 2^-kSplit, tokens x 2^kSplit). heuristics::fp4_gemv chooses it;
+// layouts and semantics: docs/plans/fp4-gemv.md (w4a4: the token's E2M1 nibbles convert to the same bf16 fragments, and
+// L1 writes E2M1 + UE8M0 as the walk's epilogue does, ceil_pow2(amax / 6) and e2m1_code).
 //
 // Why: at T=1 the tile walk runs 256-row tiles (V4-Flash: 96 per GEMM on 132 SMs, 36 of them idle) and its wgmmas use
 // one of their 8-16 token columns; the walk is bound by tile granularity and per-SM issue (docs/perf-notes.md, thirty-
@@ -429,7 +430,8 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
   if (layout.num_ranks != 1 || hidden % 128 != 0 || inter % 128 != 0 || top_k > heuristics::kFp4GemvMaxSlots ||
       l1_stages < 2 || l2_stages < 2 || (nv && layout.act_fp4))
     throw std::runtime_error("megamoe: the FP4 GEMV path takes one rank, hidden and intermediate multiples of 128, top_k "
-                             "<= 64 and two ring stages of each layer (heuristics::fp4_gemv)");
+                             "<= 64, two ring stages of each layer and FP8 tokens with NVFP4 weights "
+                             "(heuristics::fp4_gemv)");
   const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, sb, l1_stages};
   const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, sb, l2_stages};
   // Persistent CTAs, one an SM (the ring takes most of its shared memory), over items x top_k items.
