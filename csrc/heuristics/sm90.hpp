@@ -258,8 +258,9 @@ inline bool choose_mxfp4_fp8_mma() {
 // peers (EP's ranks must round alike whatever their token counts; the EP tests' EP=1 runs turn it off).
 // MEGAMOE_FP4_GEMV=0 (read per call; tests) turns it off; the tile walk's own switches (MEGAMOE_FP4_BLOCK_M,
 // _SPLIT_ROUND, ...) act with it off.
-// NOTES (H100, 2026-11-27, perf-notes forty-second session): the ring form with its trimmed loop takes V4-Flash T=1 to
-// 0.86x the walk's time and V4-Pro to 0.96x (v1, lanes loading straight from global memory, lost: 1.15x / 1.34x).
+// NOTES (H100, 2026-11-27, perf-notes forty-second session), time over the walk's at V4-Flash / V4-Pro T=1: MXFP4 w4a8
+// 0.86x / 0.96x, w4a4 0.94x / 0.98x, NVFP4 w4a8 0.81x / 0.92x (v1, lanes loading straight from global memory, lost:
+// 1.15x / 1.34x). NVFP4 w4a4 is not supported (its L1 output would need the NVFP4 quantizer's per-row global scale).
 constexpr int kFp4GemvTileRows = 16;     // rows of a ring stage: one m16 tile
 constexpr int kFp4GemvMaxStages = 8;
 constexpr int kFp4GemvMaxSlots = 64;       // top_k
