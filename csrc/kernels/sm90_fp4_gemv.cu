@@ -77,8 +77,7 @@ __device__ __forceinline__ uint32_t relative_factor(uint32_t s, uint32_t e) {
 struct GemvPass {
   Fp4GemvLayer w;
   int n, k, items, slots;  // slots: top_k (items of slot j are j x items ..)
-  int scale_block;         // 32 (MXFP4: UE8M0, row exponents in w.row_exp) or 16 (NVFP4: UE4M3, w.row_exp = the
-                           // float32 global scale per expert)
+  int scale_block;         // K a weight scale byte: 32 (MXFP4: UE8M0, w.row_exp) or 16 (NVFP4: UE4M3, w.global_sf)
   int stages;              // ring stages (heuristics::fp4_gemv_stages)
 };
 
