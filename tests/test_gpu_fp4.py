@@ -995,6 +995,28 @@ def test_fp4_gemv_slots_stats_and_errors(monkeypatch):
         run_poisoned(case, check=True)
 
 
+@pytest.mark.parametrize("weight_format,act_format", GEMV_PAIRS)
+def test_fp4_gemv_many_slots_several_items_a_cta(weight_format, act_format, monkeypatch):
+    """top_k 12 with masked and bad slots between valid ones, and more items than SMs (L1: 16 items a slot, L2: 16;
+    12 slots: 192 items, so a CTA takes two, skipping the invalid slots' items in between): against the reference with
+    the bad slot masked, recv_stats per valid slot, and the bad id reported (check=True raises)."""
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    e = 24
+    case = make_case(e, 1024, 512, 12, 1, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=815)
+    idx = torch.tensor([[3, -1, 17, 5, e, 9, -1, 3, 22, 0, 11, 8]], dtype=case.topk_idx.dtype, device="cuda")
+    valid = idx.clone()
+    valid[0, 4] = -1
+    case.topk_idx = idx
+    stats = torch.zeros(e, dtype=torch.int32, device="cuda")
+    y, routed = run_marked(case, recv_stats=stats)
+    assert not routed
+    kept = valid[valid >= 0].cpu()
+    assert torch.equal(stats, torch.bincount(kept, minlength=e).int().cuda())
+    assert rel_err(y, case.reference(topk_idx=valid)) <= TOL
+    with pytest.raises(ValueError, match=rf"topk_idx.*got {e} at token 0, slot 4"):
+        run_poisoned(case, check=True)
+
+
 @pytest.mark.parametrize("scale_byte", [161, 200, 255])
 def test_fp4_gemv_scale_range(scale_byte, monkeypatch):
     """The GEMV decodes each weight relative to its row's largest scale (transform_weights' row exponents) and

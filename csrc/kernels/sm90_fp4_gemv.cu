@@ -390,10 +390,12 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
   }
   ptx::grid_dependency_wait();  // L1's outputs
   ptx::launch_dependents();
-  for (int slot = 0; slot < top_k; ++slot)
+  for (int slot = 0; slot < top_k; ++slot) {
+    if (ids[slot] < 0 || ids[slot] >= num_experts) continue;  // L1 wrote nothing there; no item of it is consumed
     convert_token<kFP4Act, kNV>(s.token + slot * (inter / 32) * 16,
-                           buffer + l.pool_offset + int64_t(slot) * (kFP4Act ? inter / 2 : inter),
-                  buffer + l.pool_sf_offset + int64_t(slot) * (inter / 32), inter / 32);
+                                buffer + l.pool_offset + int64_t(slot) * (kFP4Act ? inter / 2 : inter),
+                                buffer + l.pool_sf_offset + int64_t(slot) * (inter / 32), inter / 32);
+  }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
   __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(buffer + l.combine_offset);  // token 0's slots
   consume<kNV>(s, p, ids, num_experts, (inter / 32) * 16, rows_of,
