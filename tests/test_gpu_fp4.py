@@ -932,9 +932,9 @@ def test_mxfp4_w4a4_fold_split_equals_converters_split(num_tokens, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# The GEMV path: one token on one rank, MXFP4 weights with FP8 tokens (heuristics::fp4_gemv)
+# The GEMV path: one token on one rank, FP4 weights with FP8 tokens or tokens of their own format (heuristics::fp4_gemv)
 # ------------------------------------------------------------------------------------------------
-GEMV_PAIRS = [("mxfp4", "fp8"), ("mxfp4", "fp4"), ("nvfp4", "fp8")]  # heuristics::fp4_gemv's (weights, tokens)
+GEMV_PAIRS = [("mxfp4", "fp8"), ("mxfp4", "fp4"), ("nvfp4", "fp8"), ("nvfp4", "fp4")]  # heuristics::fp4_gemv's pairs
 
 
 def run_marked(case, **kwargs):
@@ -951,7 +951,7 @@ def run_marked(case, **kwargs):
 @pytest.mark.parametrize("clamp,fast_math", [(None, True), (0.5, False)], ids=["plain", "clamp-exact"])
 @pytest.mark.parametrize("weight_format,act_format", GEMV_PAIRS)
 def test_fp4_gemv_one_token(shape, clamp, fast_math, weight_format, act_format, monkeypatch):
-    """MXFP4 w4a8 and w4a4 and NVFP4 w4a8 at T=1 on one rank take the GEMV path (routing does not run) and agrees with the reference and with
+    """MXFP4 and NVFP4 w4a8 and w4a4 at T=1 on one rank take the GEMV path (routing does not run) and agree with the reference and with
     the tile walk (MEGAMOE_FP4_GEMV=0, which routing shows it took; another summation: within the tolerance, not
     bitwise); repeated calls are bitwise equal. Shapes: row-major scales (K / 32 not a multiple of 16), scale tiles in
     both GEMMs, an odd one (hidden 640, intermediate 896: 5 and 7 groups of 128 over 8 warps, some with none). With the
@@ -1017,6 +1017,32 @@ def test_fp4_gemv_many_slots_several_items_a_cta(weight_format, act_format, monk
         run_poisoned(case, check=True)
 
 
+def test_fp4_gemv_nvfp4_token_rows_of_every_scale(monkeypatch):
+    """NVFP4 w4a4 on the GEMV: L2 quantizes each slot's L1 output row with its own global scale (the row's amax), as the
+    walk's requantization does: slots whose top-k weights make rows of zeros (weight 0), of values below the quantizer's
+    amax floor (1e-9) and of ordinary and large values (1, 300) against the reference and the walk, and the zero and tiny
+    slots alone (their output all zeros in the reference, or tiny) within the tolerance of theirs."""
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    case = make_case(8, 256, 384, 4, 1, "nvfp4", "fp4", device="cuda", masked_fraction=0.0, seed=816)
+    case.topk_weights = torch.tensor([[0.0, 1e-9, 1.0, 300.0]], device="cuda")
+    y, routed = run_marked(case)
+    assert not routed
+    assert rel_err(y, case.reference()) <= TOL
+    monkeypatch.setenv("MEGAMOE_FP4_GEMV", "0")
+    walk, routed = run_marked(case)
+    assert routed
+    assert rel_err(y, walk) <= TOL
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV")
+    for weights in ([0.0, 0.0, 0.0, 0.0], [0.0, 1e-9, 0.0, 0.0]):
+        case.topk_weights = torch.tensor([weights], device="cuda")
+        y = run_poisoned(case)
+        ref = case.reference()
+        if weights[1] == 0.0:
+            assert torch.equal(y, torch.zeros_like(y))
+        else:
+            assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
+
+
 @pytest.mark.parametrize("scale_byte", [161, 200, 255])
 def test_fp4_gemv_scale_range(scale_byte, monkeypatch):
     """The GEMV decodes each weight relative to its row's largest scale (transform_weights' row exponents) and
@@ -1038,7 +1064,7 @@ def test_fp4_gemv_scale_range(scale_byte, monkeypatch):
 
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
 def test_fp4_gemv_deepseek_v4_graph(model_layer, act_format, monkeypatch):
-    """DeepSeek-V4 shapes at T=1 (MXFP4 w4a8 and w4a4, NVFP4 w4a8) on the GEMV path (routing does not run): against the
+    """DeepSeek-V4 shapes at T=1 (MXFP4 and NVFP4, w4a8 and w4a4) on the GEMV path (routing does not run): against the
     reference and the tile walk (MEGAMOE_FP4_GEMV=0), and captured in a CUDA graph replayed with new inputs (a new token, ids with a
     masked and a repeated slot, new weights): the same bits as an eager call on them."""
     name, weight_format, (e, k, h, i), (w13, sf13, g13, w2, sf2, g2), l1, l2 = model_layer

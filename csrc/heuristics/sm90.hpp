@@ -252,7 +252,8 @@ inline bool choose_mxfp4_fp8_mma() {
 }
 
 // FP4 GEMV path for one token on one rank (sm90_fp4_gemv.cu; docs/plans/fp4-gemv.md): MXFP4 weights with FP8 or MXFP4
-// tokens (UE8M0 per 32: w4a8, w4a4), NVFP4 weights with FP8 tokens (w4a8),
+// tokens (UE8M0 per 32: w4a8, w4a4), NVFP4 weights with FP8 or NVFP4 tokens (w4a8, w4a4: L2 quantizes L1's float32
+// outputs itself, the per-row global scale needing the whole row),
 // hidden and intermediate multiples of 128, two ring stages of either layer in shared memory (fp4_gemv_stages). Exact
 // products and float32 sums on mma.sync, not the default walk's FP8 wgmmas on folded values: other bits, so not with
 // peers (EP's ranks must round alike whatever their token counts; the EP tests' EP=1 runs turn it off).
@@ -260,11 +261,12 @@ inline bool choose_mxfp4_fp8_mma() {
 // _SPLIT_ROUND, ...) act with it off.
 // NOTES (H100, 2026-11-27, perf-notes forty-second session), time over the walk's at V4-Flash / V4-Pro T=1: MXFP4 w4a8
 // 0.86x / 0.96x, w4a4 0.94x / 0.98x, NVFP4 w4a8 0.81x / 0.92x (v1, lanes loading straight from global memory, lost:
-// 1.15x / 1.34x). NVFP4 w4a4 is not supported (its L1 output would need the NVFP4 quantizer's per-row global scale).
+// 1.15x / 1.34x). NVFP4 w4a4 (forty-third session) 0.89x / 0.93x.
 constexpr int kFp4GemvTileRows = 16;     // rows of a ring stage: one m16 tile
 constexpr int kFp4GemvMaxStages = 8;
 constexpr int kFp4GemvMaxSlots = 64;       // top_k
-constexpr int kFp4GemvHeaderBytes = 2 * kFp4GemvMaxStages * 8 + 4 * kFp4GemvMaxSlots + 64;  // barriers, slot ids, zeros
+// barriers, slot ids, the slots' NVFP4 token global scales and L1 output amax, zeros
+constexpr int kFp4GemvHeaderBytes = 2 * kFp4GemvMaxStages * 8 + 12 * kFp4GemvMaxSlots + 64;
 constexpr int kFp4GemvPartBytes = 2 * 16 * 64 * 4;  // the consumer warps' partial sums, two items
 constexpr int kFp4GemvSmemLimit = 232448;  // H100 / H200 / H20: 227 KB of dynamic shared memory a CTA
 // A ring stage: 16 rows of k (E2M1), their k / scale_block scale bytes and (MXFP4) their 16 row exponents, rounded up
@@ -285,7 +287,8 @@ inline int fp4_gemv_stages(int64_t k, int scale_block, int64_t token_blocks) {
   return free <= 0 ? 0
                    : static_cast<int>(std::min<int64_t>(kFp4GemvMaxStages, free / fp4_gemv_stage_bytes(k, scale_block)));
 }
-// scale_block: the weights' (32: MXFP4, 16: NVFP4); supported: MXFP4 with FP8 or MXFP4 tokens, NVFP4 with FP8 tokens.
+// scale_block: the weights' (32: MXFP4, 16: NVFP4); supported: MXFP4 or NVFP4 weights with FP8 tokens or tokens of
+// their own FP4 format.
 inline bool fp4_gemv(int64_t num_tokens, int64_t num_ranks, bool supported, int scale_block, int64_t hidden,
                      int64_t intermediate, int64_t top_k) {
   if (num_tokens != 1 || num_ranks != 1 || !supported || hidden % 128 != 0 || intermediate % 128 != 0 ||

@@ -594,14 +594,17 @@ __device__ __forceinline__ uint32_t e2m1_code(float x) {
   return code | (x < 0.0f ? 8u : 0u);
 }
 
-// 8 values / scale -> 4 packed bytes (low nibble first); a zero scale gives zero codes.
-__device__ __forceinline__ void store_e2m1x8(uint8_t* dst, const float* v, float scale) {
+// 8 values / scale -> 8 E2M1 codes in a word (low nibble first; true division); a zero scale gives zero codes.
+__device__ __forceinline__ uint32_t e2m1x8_word(const float* v, float scale) {
   uint32_t packed = 0;
   if (scale > 0.0f) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) packed |= e2m1_code(v[i] / scale) << (4 * i);
   }
-  *reinterpret_cast<uint32_t*>(dst) = packed;
+  return packed;
+}
+__device__ __forceinline__ void store_e2m1x8(uint8_t* dst, const float* v, float scale) {
+  *reinterpret_cast<uint32_t*>(dst) = e2m1x8_word(v, scale);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 // FP4 GEMV path: one token on one rank, MXFP4 weights with FP8 or MXFP4 tokens (UE8M0 scales per 32: w4a8,
-// DeepSeek-V4's checkpoint format, and w4a4), NVFP4 weights with FP8 tokens (kNV: UE4M3 per 16 and the expert's global
-// scale, as the walk's BF16 path splits them: weights x 2^-kSplit, tokens x 2^kSplit). heuristics::fp4_gemv chooses it;
-// layouts and semantics: docs/plans/fp4-gemv.md (w4a4: the token's E2M1 nibbles convert to the same bf16 fragments, and
-// L1 writes E2M1 + UE8M0 as the walk's epilogue does, ceil_pow2(amax / 6) and e2m1_code).
+// DeepSeek-V4's checkpoint format, and w4a4), NVFP4 weights with FP8 or NVFP4 tokens (kNV: UE4M3 per 16 and the expert's
+// global scale, as the walk's BF16 path splits them: weights x 2^-kSplit, tokens x 2^kSplit). heuristics::fp4_gemv
+// chooses it; layouts and semantics: docs/plans/fp4-gemv.md (w4a4: the token's E2M1 nibbles convert to the same bf16
+// fragments, and L1 writes E2M1 + UE8M0 as the walk's epilogue does, ceil_pow2(amax / 6) and e2m1_code; NVFP4 tokens:
+// L1 writes float32, and every L2 CTA quantizes the rows as the walk's requantization does, quantize_tokens_nvfp4).
 //
 // Why: at T=1 the tile walk runs 256-row tiles (V4-Flash: 96 per GEMM on 132 SMs, 36 of them idle) and its wgmmas use
 // one of their 8-16 token columns; the walk is bound by tile granularity and per-SM issue (docs/perf-notes.md, thirty-
@@ -40,6 +41,7 @@ namespace megamoe::kernels {
 namespace {
 
 using fp4::decode_rows_bf16;
+using fp4::act_factor_ue4m3_f32;
 using fp4::act_factor_ue8m0_f32;
 using fp4::e2m1x2_raw;
 using fp4::fp8_pair_bf16;
@@ -53,8 +55,8 @@ constexpr int kGemvRows = 4 * kFp4GemvTileRows;  // weight rows per item: four m
 constexpr int kL1Outputs = 32;  // L1 outputs per item: one UE8M0 block (32 gate rows and their 32 up rows)
 constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warps (0 is __syncthreads)
 static_assert(heuristics::kFp4GemvPartBytes == 2 * kGemvWarps * kGemvRows * 4, "partial sums: two items");
-static_assert(heuristics::kFp4GemvHeaderBytes >= 2 * heuristics::kFp4GemvMaxStages * 8 + 4 * heuristics::kFp4GemvMaxSlots + 64,
-              "full and empty barriers, slot ids, zeros");
+static_assert(heuristics::kFp4GemvHeaderBytes >= 2 * heuristics::kFp4GemvMaxStages * 8 + 12 * heuristics::kFp4GemvMaxSlots + 64,
+              "full and empty barriers, slot ids, the slots' token global scales and amax, zeros");
 
 __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -88,6 +90,8 @@ struct GemvSmem {
   uint64_t* full;
   uint64_t* empty;
   int* ids;  // the token's slots' expert ids (read once: a global load an item stalled every warp ~10 % of L1's time)
+  float* token_g;  // NVFP4 tokens: each slot's token global scale (L1: the token's; L2: its L1 output row's)
+  uint32_t* amax;  // NVFP4 tokens, L2: each slot's L1 output row amax (float bits: non-negative, ordered as integers)
   uint32_t* zeros;  // 64 zero bytes: the token fragments of lanes 4-31
   float (*part)[kGemvWarps][kGemvRows];
   uint32_t* token;
@@ -99,7 +103,9 @@ __device__ __forceinline__ GemvSmem carve(uint8_t* smem, int token_blocks) {
   s.full = reinterpret_cast<uint64_t*>(smem);
   s.empty = s.full + heuristics::kFp4GemvMaxStages;
   s.ids = reinterpret_cast<int*>(s.empty + heuristics::kFp4GemvMaxStages);
-  s.zeros = reinterpret_cast<uint32_t*>(s.ids + heuristics::kFp4GemvMaxSlots);
+  s.token_g = reinterpret_cast<float*>(s.ids + heuristics::kFp4GemvMaxSlots);
+  s.amax = reinterpret_cast<uint32_t*>(s.token_g + heuristics::kFp4GemvMaxSlots);
+  s.zeros = s.amax + heuristics::kFp4GemvMaxSlots;
   s.part = reinterpret_cast<float (*)[kGemvWarps][kGemvRows]>(smem + heuristics::kFp4GemvHeaderBytes);
   s.token = reinterpret_cast<uint32_t*>(smem + heuristics::kFp4GemvHeaderBytes + 2 * kGemvWarps * kGemvRows * 4);
   s.ring = reinterpret_cast<uint8_t*>(s.token) + heuristics::fp4_gemv_token_bytes(token_blocks);
@@ -117,36 +123,104 @@ __device__ __forceinline__ uint32_t e2m1_pair_bf16(uint32_t w, float f) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
-// Token blocks [0, blocks) (E4M3 bytes `x` [32 blk ..], or with kFP4Act E2M1 `x` [16 blk ..]; UE8M0 `x_sf` [blk]) ->
-// their B fragments in shared memory, by the consumer warps. Exact in bf16 for every scale the quantizers write (>=
-// 1e-4 / 448: normal), up to 2^119.
+// A 32-K block of E2M1 tokens (words w: K 8t .. 8t + 7, low nibble first) -> its 16 B-fragment words at d, K 0-15
+// times f_lo and K 16-31 times f_hi (MXFP4: one UE8M0 factor; NVFP4: the two UE4M3 factors x 2^kSplit).
+__device__ __forceinline__ void e2m1_block_fragments(uint32_t* d, const uint32_t (&w)[4], float f_lo, float f_hi) {
+  uint32_t v[16];
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const float f = t < 2 ? f_lo : f_hi;
+    v[4 * t] = e2m1_pair_bf16<0>(w[t], f), v[4 * t + 1] = e2m1_pair_bf16<1>(w[t], f);
+    v[4 * t + 2] = e2m1_pair_bf16<2>(w[t], f), v[4 * t + 3] = e2m1_pair_bf16<3>(w[t], f);
+  }
+  uint4* d4 = reinterpret_cast<uint4*>(d);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d4[i] = make_uint4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+}
+
+// Token blocks [0, blocks) (E4M3 bytes `x` [32 blk ..], or with kFP4Act E2M1 `x` [16 blk ..]; UE8M0 `x_sf` [blk], or
+// with NVFP4 tokens UE4M3 [2 blk, 2 blk + 1]) -> their B fragments in shared memory, by the consumer warps. Exact in
+// bf16 for every scale the quantizers write (>= 1e-4 / 448: normal), up to 2^119; NVFP4: e2m1 x ue4m3 x 2^kSplit, at
+// most 6 significant bits between 2^22 and 2^44. NVFP4 weights take tokens x 2^kSplit (the walk's BF16 path's split:
+// weights x 2^-kSplit).
 template <bool kFP4Act, bool kNV>
 __device__ __forceinline__ void convert_token(uint32_t* dst, const uint8_t* x, const uint8_t* x_sf, int blocks) {
-  static_assert(!(kFP4Act && kNV), "NVFP4 weights take FP8 tokens here");
   for (int blk = threadIdx.x; blk < blocks; blk += 32 * kGemvWarps) {
-    // NVFP4: x 2^kSplit, as the walk's BF16 path (its weights carry 2^-kSplit).
-    const float f = kNV ? act_factor_ue8m0_f32(__ldcg(x_sf + blk)) : ue8m0_float(__ldcg(x_sf + blk));
-    uint32_t v[16];
     if constexpr (kFP4Act) {
       const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 16));
       const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        v[4 * t] = e2m1_pair_bf16<0>(w[t], f), v[4 * t + 1] = e2m1_pair_bf16<1>(w[t], f);
-        v[4 * t + 2] = e2m1_pair_bf16<2>(w[t], f), v[4 * t + 3] = e2m1_pair_bf16<3>(w[t], f);
+      if constexpr (kNV) {
+        const uint16_t sf2 = __ldcg(reinterpret_cast<const unsigned short*>(x_sf) + blk);
+        e2m1_block_fragments(dst + blk * 16, w, act_factor_ue4m3_f32(sf2 & 0xFF), act_factor_ue4m3_f32(sf2 >> 8));
+      } else {
+        const float f = ue8m0_float(__ldcg(x_sf + blk));
+        e2m1_block_fragments(dst + blk * 16, w, f, f);
       }
     } else {
+      const float f = kNV ? act_factor_ue8m0_f32(__ldcg(x_sf + blk)) : ue8m0_float(__ldcg(x_sf + blk));
       const uint4 lo = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32));
       const uint4 hi = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32 + 16));
       const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      uint32_t v[16];
 #pragma unroll
       for (int t = 0; t < 4; ++t)
 #pragma unroll
         for (int p = 0; p < 4; ++p) v[4 * t + p] = fp8_pair_bf16(w, t, p, f);
-    }
-    uint4* d = reinterpret_cast<uint4*>(dst + blk * 16);
+      uint4* d = reinterpret_cast<uint4*>(dst + blk * 16);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) d[i] = make_uint4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+      for (int i = 0; i < 4; ++i) d[i] = make_uint4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+    }
+  }
+}
+
+__device__ __forceinline__ void load_floats32(const float* src, float (&v)[32]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + i);
+    v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
+  }
+}
+
+// L2's NVFP4 tokens: the valid slots' L1 outputs (float32 [slot][inter] in `scratch`) quantized as
+// nvfp4_requant_kernel quantizes them on the tile walk (the row's amax -> g = amax / (6 x 448); per 16: sf =
+// e4m3(amax_blk / (6 g)), codes = e2m1(x / (sf g)), true division) straight into B fragments (codes x sf x 2^kSplit,
+// the same words as convert_token makes of those bytes), and each slot's g into token_g, by the consumer warps of
+// every CTA: top_k x inter floats from the L2 cache instead of a requantization launch and the pool.
+__device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const float* scratch, int slots, int inter,
+                                                      int num_experts) {
+  const int blocks = inter / 32, total = slots * blocks;
+  auto valid = [&](int slot) { return s.ids[slot] >= 0 && s.ids[slot] < num_experts; };
+  for (int i = threadIdx.x; i < total; i += 32 * kGemvWarps) {  // the rows' amax (s.amax zeroed by init_ring)
+    const int slot = i / blocks;
+    if (!valid(slot)) continue;  // L1 wrote nothing there; no item of it is consumed
+    float v[32];
+    load_floats32(scratch + int64_t(slot) * inter + (i % blocks) * 32, v);
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) amax = max_nan(amax, fabsf(v[j]));
+    atomicMax(s.amax + slot, __float_as_uint(amax));  // NaN (above inf as integers) wins, as max_nan
+  }
+  ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
+  for (int i = threadIdx.x; i < total; i += 32 * kGemvWarps) {
+    const int slot = i / blocks, blk = i % blocks;
+    if (!valid(slot)) continue;
+    const float g = max_nan(__uint_as_float(s.amax[slot]), kAmaxEps) / (kE2M1Max * kFP8Max);
+    float v[32];
+    load_floats32(scratch + int64_t(slot) * inter + blk * 32, v);
+    uint32_t w[4];
+    float f[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float bmax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) bmax = max_nan(bmax, fabsf(v[16 * h + j]));
+      const __nv_fp8_e4m3 sf(min_nan(bmax / (g * kE2M1Max), kFP8Max));
+      const float denom = float(sf) * g;
+      w[2 * h] = e2m1x8_word(v + 16 * h, denom), w[2 * h + 1] = e2m1x8_word(v + 16 * h + 8, denom);
+      f[h] = act_factor_ue4m3_f32(sf.__x);
+    }
+    e2m1_block_fragments(s.token + (slot * blocks + blk) * 16, w, f[0], f[1]);
+    if (blk == 0) s.token_g[slot] = g;
   }
 }
 
@@ -254,7 +328,7 @@ __device__ __forceinline__ void consume_tile(float (&acc)[4], uint32_t& ea, uint
 // row's sums times 2^(e - 127) (its largest scale byte e; 255: NaN, as on the FP8-wgmma path) into part[parity][warp],
 // a consumer barrier, then epilogue(part of the item, slot, item index in the slot) by the first warps. The token of
 // slot j is B fragments at token + j x token_words.
-template <bool kNV, typename RowsOf, typename Epilogue>
+template <bool kNV, bool kFP4Act, typename RowsOf, typename Epilogue>
 __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
                                         int token_words, RowsOf rows_of, Epilogue epilogue) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -268,7 +342,8 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
     const int id = ids[slot];
     if (id < 0 || id >= num_experts) continue;  // the producer skips it too
     const uint32_t* token = s.token + slot * token_words;
-    const float global = kNV ? __ldg(p.w.global_sf + id) : 1.0f;
+    // NVFP4: the expert's global scale times the token's (NVFP4 tokens), as the walk's column factors.
+    const float global = kNV ? __ldg(p.w.global_sf + id) * (kFP4Act ? s.token_g[slot] : 1.0f) : 1.0f;
     float acc[4][4] = {};
     uint32_t ea[4], eb[4];
 #pragma unroll
@@ -310,6 +385,7 @@ __device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const i
   }
   for (int slot = threadIdx.x; slot < slots; slot += kGemvThreads) s.ids[slot] = __ldcg(ids + slot);
   if (threadIdx.x < 16) s.zeros[threadIdx.x] = 0;
+  if (threadIdx.x < heuristics::kFp4GemvMaxSlots) s.amax[threadIdx.x] = 0;
   __syncthreads();
 }
 
@@ -318,7 +394,7 @@ __device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const i
 template <bool kFast, bool kFP4Act, bool kNV>
 __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p, uint8_t* buffer,
                                                                       layout::BufferLayout l, float clamp,
-                                                                      int* recv_stats) {
+                                                                      int* recv_stats, float* scratch) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);
   const GemvSmem s = carve(smem, hidden / 32);
@@ -342,14 +418,23 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
     if (id >= 0 && id < num_experts && recv_stats != nullptr) atomicAdd(recv_stats + id, 1);  // slots counted
   }
   convert_token<kFP4Act, kNV>(s.token, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
+  if constexpr (kNV && kFP4Act) {  // every slot's token is token 0
+    const float gt = __ldcg(reinterpret_cast<const float*>(buffer + l.x_global_sf_offset));
+    for (int slot = threadIdx.x; slot < p.slots; slot += 32 * kGemvWarps) s.token_g[slot] = gt;
+  }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
   const float* weights = reinterpret_cast<const float*>(buffer + l.topk_weights_offset);
-  consume<kNV>(s, p, ids, num_experts, 0, rows_of, [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int ob) {
+  consume<kNV, kFP4Act>(s, p, ids, num_experts, 0, rows_of, [&](const float (&part)[kGemvWarps][kGemvRows], int slot,
+                                                                int ob) {
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x, blocks = inter / kL1Outputs;
     const float g = __bfloat162float(__float2bfloat16_rn(warps_sum(part, lane)));
     const float u = __bfloat162float(__float2bfloat16_rn(warps_sum(part, kL1Outputs + lane)));
     const float a = swiglu_value<kFast>(g, u, __ldcg(weights + slot), clamp);
+    if constexpr (kNV && kFP4Act) {  // NVFP4's global scale spans the whole row: L2 quantizes (quantize_tokens_nvfp4)
+      scratch[int64_t(slot) * inter + ob * kL1Outputs + lane] = a;
+      return;
+    }
     const float amax = warp_reduce_max<32>(fabsf(a));
     const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / (kFP4Act ? kE2M1Max : kFP8Max));
     if constexpr (kFP4Act) {  // E2M1, low nibble first: lane 2i's byte takes lane 2i + 1's code
@@ -368,7 +453,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
 // L2: item rb of a slot = weight rows [64 rb, 64 rb + 64) -> bf16 of the slot's combine row.
 template <bool kFP4Act, bool kNV>
 __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p, uint8_t* buffer,
-                                                                      layout::BufferLayout l) {
+                                                                      layout::BufferLayout l, const float* scratch) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);
   const int top_k = p.slots;
@@ -390,15 +475,19 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
   }
   ptx::grid_dependency_wait();  // L1's outputs
   ptx::launch_dependents();
-  for (int slot = 0; slot < top_k; ++slot) {
-    if (ids[slot] < 0 || ids[slot] >= num_experts) continue;  // L1 wrote nothing there; no item of it is consumed
-    convert_token<kFP4Act, kNV>(s.token + slot * (inter / 32) * 16,
-                                buffer + l.pool_offset + int64_t(slot) * (kFP4Act ? inter / 2 : inter),
-                                buffer + l.pool_sf_offset + int64_t(slot) * (inter / 32), inter / 32);
+  if constexpr (kNV && kFP4Act) {
+    quantize_tokens_nvfp4(s, scratch, top_k, inter, num_experts);
+  } else {
+    for (int slot = 0; slot < top_k; ++slot) {
+      if (ids[slot] < 0 || ids[slot] >= num_experts) continue;  // L1 wrote nothing there; no item of it is consumed
+      convert_token<kFP4Act, kNV>(s.token + slot * (inter / 32) * 16,
+                                  buffer + l.pool_offset + int64_t(slot) * (kFP4Act ? inter / 2 : inter),
+                                  buffer + l.pool_sf_offset + int64_t(slot) * (inter / 32), inter / 32);
+    }
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
   __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(buffer + l.combine_offset);  // token 0's slots
-  consume<kNV>(s, p, ids, num_experts, (inter / 32) * 16, rows_of,
+  consume<kNV, kFP4Act>(s, p, ids, num_experts, (inter / 32) * 16, rows_of,
           [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int rb) {
             if (threadIdx.x >= kGemvRows) return;
             out[int64_t(slot) * hidden + rb * kGemvRows + threadIdx.x] = __float2bfloat16_rn(warps_sum(part, threadIdx.x));
@@ -408,20 +497,23 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
 // L1 then L2, each a persistent grid with its ring's dynamic shared memory.
 template <bool kFast, bool kFP4Act, bool kNV>
 void launch_gemv(const GemvPass& p1, const GemvPass& p2, dim3 g1, dim3 g2, int smem1, int smem2, uint8_t* buffer,
-                 const layout::BufferLayout& layout, float activation_clamp, int* recv_stats, cudaStream_t stream) {
+                 const layout::BufferLayout& layout, float activation_clamp, int* recv_stats, float* scratch,
+                 cudaStream_t stream) {
   allow_dynamic_smem<fp4_gemv_l1_kernel<kFast, kFP4Act, kNV>>(heuristics::kFp4GemvSmemLimit);
   launch_pdl(fp4_gemv_l1_kernel<kFast, kFP4Act, kNV>, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout,
-             activation_clamp, recv_stats);
+             activation_clamp, recv_stats, scratch);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
   allow_dynamic_smem<fp4_gemv_l2_kernel<kFP4Act, kNV>>(heuristics::kFp4GemvSmemLimit);
-  launch_pdl(fp4_gemv_l2_kernel<kFP4Act, kNV>, g2, dim3(kGemvThreads), smem2, stream, p2, buffer, layout);
+  launch_pdl(fp4_gemv_l2_kernel<kFP4Act, kNV>, g2, dim3(kGemvThreads), smem2, stream, p2, buffer, layout,
+             static_cast<const float*>(scratch));
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
 
 void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* buffer, const layout::BufferLayout& layout,
-                     float activation_clamp, bool fast_math, int* recv_stats, int num_sms, cudaStream_t stream) {
+                     float activation_clamp, bool fast_math, int* recv_stats, float* scratch, int num_sms,
+                     cudaStream_t stream) {
   const int top_k = static_cast<int>(layout.top_k);
   const int hidden = static_cast<int>(layout.hidden), inter = static_cast<int>(layout.intermediate);
   const bool nv = l1.global_sf != nullptr;
@@ -429,28 +521,24 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
   const int l1_stages = heuristics::fp4_gemv_stages(hidden, sb, hidden / 32);
   const int l2_stages = heuristics::fp4_gemv_stages(inter, sb, top_k * (inter / 32));
   if (layout.num_ranks != 1 || hidden % 128 != 0 || inter % 128 != 0 || top_k > heuristics::kFp4GemvMaxSlots ||
-      l1_stages < 2 || l2_stages < 2 || (nv && layout.act_fp4))
+      l1_stages < 2 || l2_stages < 2 || (nv && layout.act_fp4 && scratch == nullptr))
     throw std::runtime_error("megamoe: the FP4 GEMV path takes one rank, hidden and intermediate multiples of 128, top_k "
-                             "<= 64, two ring stages of each layer and FP8 tokens with NVFP4 weights "
-                             "(heuristics::fp4_gemv)");
+                             "<= 64, two ring stages of each layer and, with NVFP4 tokens, a float32 [top_k, "
+                             "intermediate] scratch (heuristics::fp4_gemv)");
   const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, sb, l1_stages};
   const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, sb, l2_stages};
   // Persistent CTAs, one an SM (the ring takes most of its shared memory), over items x top_k items.
   const dim3 g1(std::min(num_sms, p1.items * top_k)), g2(std::min(num_sms, p2.items * top_k));
   const int smem1 = heuristics::fp4_gemv_smem_bytes(hidden, sb, hidden / 32, l1_stages);
   const int smem2 = heuristics::fp4_gemv_smem_bytes(inter, sb, top_k * (inter / 32), l2_stages);
-  if (nv)
-    (fast_math ? launch_gemv<true, false, true> : launch_gemv<false, false, true>)(p1, p2, g1, g2, smem1, smem2, buffer,
-                                                                                   layout, activation_clamp, recv_stats,
-                                                                                   stream);
-  else if (layout.act_fp4)
-    (fast_math ? launch_gemv<true, true, false> : launch_gemv<false, true, false>)(p1, p2, g1, g2, smem1, smem2, buffer,
-                                                                                   layout, activation_clamp, recv_stats,
-                                                                                   stream);
-  else
-    (fast_math ? launch_gemv<true, false, false> : launch_gemv<false, false, false>)(p1, p2, g1, g2, smem1, smem2, buffer,
-                                                                                     layout, activation_clamp,
-                                                                                     recv_stats, stream);
+  using Launch = decltype(&launch_gemv<false, false, false>);
+  static constexpr Launch kLaunch[2][2][2] = {  // [fast_math][act_fp4][nv]
+      {{launch_gemv<false, false, false>, launch_gemv<false, false, true>},
+       {launch_gemv<false, true, false>, launch_gemv<false, true, true>}},
+      {{launch_gemv<true, false, false>, launch_gemv<true, false, true>},
+       {launch_gemv<true, true, false>, launch_gemv<true, true, true>}}};
+  kLaunch[fast_math][layout.act_fp4][nv](p1, p2, g1, g2, smem1, smem2, buffer, layout, activation_clamp, recv_stats,
+                                         scratch, stream);
 }
 
 }  // namespace megamoe::kernels

@@ -276,9 +276,11 @@ __device__ __forceinline__ uint32_t act_factor_ue8m0_bf16x2(uint32_t b) {
   const uint32_t h = b == 255 ? 0x7FC0u : e >= 255 ? 0x7F80u : e << 7;
   return h | (h << 16);
 }
+__device__ __forceinline__ float act_factor_ue4m3_f32(uint8_t b) {  // exact: 4 significant bits
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3))) * 0x1p32f;
+}
 __device__ __forceinline__ uint32_t act_factor_ue4m3_bf16x2(uint8_t b) {
-  const float s = __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3))) * 0x1p32f;
-  const uint32_t h = __float_as_uint(s) >> 16;
+  const uint32_t h = __float_as_uint(act_factor_ue4m3_f32(b)) >> 16;
   return h | (h << 16);
 }
 

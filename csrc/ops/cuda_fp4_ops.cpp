@@ -49,7 +49,8 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
                                aligned16(l2_weights_global_sf);
   const bool nv_weights = format == WeightFormat::kNVFP4;
   const bool gemv_supported = args.recipe == ActRecipe::kFP8UE8M0Block32 ||
-                              (format == WeightFormat::kMXFP4 && args.recipe == ActRecipe::kMXFP4);
+                              (format == WeightFormat::kMXFP4 && args.recipe == ActRecipe::kMXFP4) ||
+                              (nv_weights && args.recipe == ActRecipe::kNVFP4);
   if (weights_aligned && heuristics::fp4_gemv(t, l.num_ranks, gemv_supported, fp4_scale_block(format), l.hidden,
                                               l.intermediate, l.top_k)) {
     // The third tensor: MXFP4 row exponents (uint8 [E, n]) or the NVFP4 global scales (float32 [E]).
@@ -59,9 +60,13 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
                                    nv_weights ? third.data_ptr<float>() : nullptr, fp4_scale_tiles(format, n, k)};
     };
     uint8_t* b = buffer_ptr(buffer);
+    // NVFP4 tokens: L1's float32 outputs, which L2 quantizes (their global scale spans the whole row).
+    at::Tensor scratch;
+    if (args.recipe == ActRecipe::kNVFP4) scratch = at::empty({l.top_k, l.intermediate}, y.options().dtype(at::kFloat));
     kernels::launch_fp4_gemv(layer(l1_weights, l1_weights_sf, l1_weights_global_sf, 2 * l.intermediate, l.hidden),
                              layer(l2_weights, l2_weights_sf, l2_weights_global_sf, l.hidden, l.intermediate), b, l,
-                             clamp, fast_math, recv_stats_ptr, sms, stream);
+                             clamp, fast_math, recv_stats_ptr,
+                             scratch.defined() ? scratch.data_ptr<float>() : nullptr, sms, stream);
     kernels::launch_combine(y.data_ptr(), b, l, static_cast<int>(args.buf.rank), t, sms, stream);
     return;
   }
