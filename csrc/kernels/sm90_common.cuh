@@ -586,6 +586,26 @@ __device__ __forceinline__ void store_fp8x8(uint8_t* dst, const float* v, float 
   *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
 }
 
+// NVFP4's recipe (docs/decisions.md; the CPU op's, csrc/cpu/quant.cpp): the row's global scale g = max(amax, eps) /
+// (6 x 448), and a 16-value block's scale sf = e4m3(min(amax_blk / (6 g), 448)); codes of v / (sf g) (e2m1x8_word).
+__device__ __forceinline__ float nvfp4_global_scale(float row_amax) {
+  return max_nan(row_amax, kAmaxEps) / (kE2M1Max * kFP8Max);
+}
+__device__ __forceinline__ __nv_fp8_e4m3 nvfp4_block_scale(float block_amax, float g) {
+  return __nv_fp8_e4m3(min_nan(block_amax / (g * kE2M1Max), kFP8Max));
+}
+
+// N floats (N % 4 == 0, 16-byte aligned) through the L2 cache (written by another grid of the chain).
+template <int N>
+__device__ __forceinline__ void load_floats_cg(const float* src, float (&v)[N]) {
+  static_assert(N % 4 == 0, "whole float4s");
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) {
+    const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + i);
+    v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
+  }
+}
+
 // Nearest E2M1 code, ties to even, saturating; sign bit = (x < 0); NaN -> 0.
 __device__ __forceinline__ uint32_t e2m1_code(float x) {
   const float m = fabsf(x);

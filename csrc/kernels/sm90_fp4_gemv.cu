@@ -173,14 +173,6 @@ __device__ __forceinline__ void convert_token(uint32_t* dst, const uint8_t* x, c
   }
 }
 
-__device__ __forceinline__ void load_floats32(const float* src, float (&v)[32]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + i);
-    v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
-  }
-}
-
 // L2's NVFP4 tokens: the valid slots' L1 outputs (float32 [slot][inter] in `scratch`) quantized as
 // nvfp4_requant_kernel quantizes them on the tile walk (the row's amax -> g = amax / (6 x 448); per 16: sf =
 // e4m3(amax_blk / (6 g)), codes = e2m1(x / (sf g)), true division) straight into B fragments (codes x sf x 2^kSplit,
@@ -194,7 +186,7 @@ __device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const f
     const int slot = i / blocks;
     if (!valid(slot)) continue;  // L1 wrote nothing there; no item of it is consumed
     float v[32];
-    load_floats32(scratch + int64_t(slot) * inter + (i % blocks) * 32, v);
+    load_floats_cg(scratch + int64_t(slot) * inter + (i % blocks) * 32, v);
     float amax = 0.0f;
 #pragma unroll
     for (int j = 0; j < 32; ++j) amax = max_nan(amax, fabsf(v[j]));
@@ -204,9 +196,9 @@ __device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const f
   for (int i = threadIdx.x; i < total; i += 32 * kGemvWarps) {
     const int slot = i / blocks, blk = i % blocks;
     if (!valid(slot)) continue;
-    const float g = max_nan(__uint_as_float(s.amax[slot]), kAmaxEps) / (kE2M1Max * kFP8Max);
+    const float g = nvfp4_global_scale(__uint_as_float(s.amax[slot]));
     float v[32];
-    load_floats32(scratch + int64_t(slot) * inter + blk * 32, v);
+    load_floats_cg(scratch + int64_t(slot) * inter + blk * 32, v);
     uint32_t w[4];
     float f[2];
 #pragma unroll
@@ -214,7 +206,7 @@ __device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const f
       float bmax = 0.0f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) bmax = max_nan(bmax, fabsf(v[16 * h + j]));
-      const __nv_fp8_e4m3 sf(min_nan(bmax / (g * kE2M1Max), kFP8Max));
+      const __nv_fp8_e4m3 sf = nvfp4_block_scale(bmax, g);
       const float denom = float(sf) * g;
       w[2 * h] = e2m1x8_word(v + 16 * h, denom), w[2 * h + 1] = e2m1x8_word(v + 16 * h + 8, denom);
       f[h] = act_factor_ue4m3_f32(sf.__x);

@@ -74,19 +74,11 @@ __device__ __forceinline__ void requant_block(const float (&v)[16], float g, uin
   float bmax = 0.0f;
 #pragma unroll
   for (int i = 0; i < 16; ++i) bmax = max_nan(bmax, fabsf(v[i]));
-  const __nv_fp8_e4m3 sf(min_nan(bmax / (g * kE2M1Max), kFP8Max));
+  const __nv_fp8_e4m3 sf = nvfp4_block_scale(bmax, g);
   const float denom = float(sf) * g;
   store_e2m1x8(pool_row + b * 8, v, denom);
   store_e2m1x8(pool_row + b * 8 + 4, v + 8, denom);
   pool_sf[int64_t(b) * pool_rows + row] = sf.__x;
-}
-
-__device__ __forceinline__ void load_block16(const float* src, float (&v)[16]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + i);
-    v[4 * i] = x.x, v[4 * i + 1] = x.y, v[4 * i + 2] = x.z, v[4 * i + 3] = x.w;
-  }
 }
 
 // One CTA per pool row, one thread per 16-element block: row amax (CTA reduction) -> g = amax / (6 * 448); per 16:
@@ -112,13 +104,13 @@ __global__ void __launch_bounds__(kRequantMaxThreads) nvfp4_requant_kernel(const
     uint8_t* pool_row = pool + int64_t(row) * (inter / 2);
     const int b0 = threadIdx.x;
     float v[16] = {};
-    if (b0 < blocks) load_block16(src + b0 * 16, v);
+    if (b0 < blocks) load_floats_cg(src + b0 * 16, v);
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) amax = max_nan(amax, fabsf(v[i]));
     for (int b = b0 + blockDim.x; b < blocks; b += blockDim.x) {  // rows past 16 x 1,024 elements only
       float w[16];
-      load_block16(src + b * 16, w);
+      load_floats_cg(src + b * 16, w);
 #pragma unroll
       for (int i = 0; i < 16; ++i) amax = max_nan(amax, fabsf(w[i]));
     }
@@ -127,10 +119,10 @@ __global__ void __launch_bounds__(kRequantMaxThreads) nvfp4_requant_kernel(const
     __syncthreads();  // double-buffered by `it`: the next row's writes cannot race this row's reads
     amax = 0.0f;
     for (int w = 0; w < warps; ++w) amax = max_nan(amax, warp_amax[it][w]);
-    const float g = max_nan(amax, kAmaxEps) / (kE2M1Max * kFP8Max);
+    const float g = nvfp4_global_scale(amax);
     if (b0 < blocks) requant_block(v, g, pool_row, pool_sf, b0, row, pool_rows);
     for (int b = b0 + blockDim.x; b < blocks; b += blockDim.x) {
-      load_block16(src + b * 16, v);
+      load_floats_cg(src + b * 16, v);
       requant_block(v, g, pool_row, pool_sf, b, row, pool_rows);
     }
     if (threadIdx.x == 0) pool_gsf[row] = g;

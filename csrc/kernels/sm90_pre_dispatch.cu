@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
     __syncthreads();
     amax = 0.0f;
     for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) amax = max_nan(amax, warp_amax[w]);
-    global_scale = max_nan(amax, kAmaxEps) / (kE2M1Max * kFP8Max);
+    global_scale = nvfp4_global_scale(amax);
     if (threadIdx.x == 0) reinterpret_cast<float*>(buffer + l.x_global_sf_offset)[token] = global_scale;
   }
 
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
       store_e2m1x8(data + g * (kVec / 2), v, scale);
       if (leader) sf[blk] = ue8m0_bits(scale);
     } else {
-      const __nv_fp8_e4m3 block_sf(min_nan(amax / (global_scale * kE2M1Max), kFP8Max));
+      const __nv_fp8_e4m3 block_sf = nvfp4_block_scale(amax, global_scale);
       const float denom = float(block_sf) * global_scale;
       store_e2m1x8(data + g * (kVec / 2), v, denom);
       if (leader) sf[blk] = block_sf.__x;
