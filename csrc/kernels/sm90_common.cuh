@@ -616,14 +616,22 @@ __device__ __forceinline__ uint32_t e2m1_code(float x) {
 
 // 8 values / scale -> 8 E2M1 codes in a word (low nibble first), each e2m1_code(v / scale) with the true (IEEE)
 // division; a scale that is not positive (0, NaN) gives zero codes.
-// The code depends on the quotient only through its comparisons with the seven code boundaries, so it is taken from
-// m = |v x rcp(scale)| (MUFU.RCP, at most 1 ulp off: m lies within 2^-22 of the quotient and of its rounding) wherever
-// m (1 - 2^-19) and m (1 + 2^-19) give the same code (then no boundary lies near, and the quotient, being nonzero and
-// finite there, has v's sign); zeros give code 0 (their quotient is +-0); anything else (a boundary within 2^-19, m
-// below 2^-100 or above 2^100, NaN, inf, a flushed reciprocal) takes the 8 divisions. Equal to the divisions' codes
-// for every input (the bitwise tests of pre_dispatch and the requantization against the CPU op check it, with values
-// placed on and next to every boundary). Why: each IEEE division is a branch region of ~12 instructions that the
-// compiler does not interleave (32 in a row made the GEMV's L2 quantization ~8 µs at V4-Flash T=1).
+__device__ __forceinline__ uint32_t e2m1x8_word_div(const float* v, float scale) {
+  uint32_t packed = 0;
+  if (scale > 0.0f) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) packed |= e2m1_code(v[i] / scale) << (4 * i);
+  }
+  return packed;
+}
+// The same codes with fewer divisions. The code depends on the quotient only through its comparisons with the seven
+// code boundaries, so it is taken from m = |v x rcp(scale)| (MUFU.RCP, at most 1 ulp off: m lies within 2^-22 of the
+// quotient and of its rounding) wherever m (1 - 2^-19) and m (1 + 2^-19) give the same code (then no boundary lies
+// near, and the quotient, nonzero and finite there, has v's sign); zeros give code 0 (their quotient is +-0); anything
+// else (a boundary within 2^-19, m below 2^-100 or above 2^100, NaN, inf, a flushed reciprocal) takes the divisions.
+// pre_dispatch's NVFP4 tokens go through it, which test_pre_dispatch_e2m1_code_boundaries_bitwise checks against the
+// CPU op with values on and next to every boundary. Why: each IEEE division is a branch region of ~12 instructions
+// that the compiler does not interleave (32 in a row made the GEMV's L2 quantization ~8 µs at V4-Flash T=1).
 __device__ __forceinline__ uint32_t e2m1x8_word(const float* v, float scale) {
   if (!(scale > 0.0f)) return 0;
   const float r = ptx::rcp_approx(scale);
@@ -637,13 +645,15 @@ __device__ __forceinline__ uint32_t e2m1x8_word(const float* v, float scale) {
     packed |= (v[i] == 0.0f ? 0u : lo | (v[i] < 0.0f ? 8u : 0u)) << (4 * i);
   }
   if (fast) return packed;
-  packed = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) packed |= e2m1_code(v[i] / scale) << (4 * i);
-  return packed;
+  return e2m1x8_word_div(v, scale);
 }
 __device__ __forceinline__ void store_e2m1x8(uint8_t* dst, const float* v, float scale) {
   *reinterpret_cast<uint32_t*>(dst) = e2m1x8_word(v, scale);
+}
+// The same bytes by the 8 divisions alone: for power-of-two scales (MXFP4), whose divisions take the fast path of the
+// IEEE sequence (H100 A/B, 2026-11-27: MXFP4 w4a4 T=1 read 1.04-1.05x with e2m1x8_word in pre_dispatch).
+__device__ __forceinline__ void store_e2m1x8_div(uint8_t* dst, const float* v, float scale) {
+  *reinterpret_cast<uint32_t*>(dst) = e2m1x8_word_div(v, scale);
 }
 
 // ------------------------------------------------------------------------------------------------
