@@ -3,7 +3,8 @@
 // global scale, as the walk's BF16 path splits them: weights x 2^-kSplit, tokens x 2^kSplit). heuristics::fp4_gemv
 // chooses it; layouts and semantics: docs/plans/fp4-gemv.md (w4a4: the token's E2M1 nibbles convert to the same bf16
 // fragments, and L1 writes E2M1 + UE8M0 as the walk's epilogue does, ceil_pow2(amax / 6) and e2m1_code; NVFP4 tokens:
-// L1 writes float32, and every L2 CTA quantizes the rows as the walk's requantization does, quantize_tokens_nvfp4).
+// L1 writes float32 and each 32 outputs' amax, and every L2 CTA quantizes the rows of its items' slots as the walk's
+// requantization does, quantize_tokens_nvfp4).
 //
 // Why: at T=1 the tile walk runs 256-row tiles (V4-Flash: 96 per GEMM on 132 SMs, 36 of them idle) and its wgmmas use
 // one of their 8-16 token columns; the walk is bound by tile granularity and per-SM issue (docs/perf-notes.md, thirty-
