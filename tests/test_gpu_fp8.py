@@ -225,12 +225,12 @@ def test_pre_dispatch_matches_cpu_bitwise(weight_format, act_format):
 
 @pytest.mark.parametrize("weight_format", ["mxfp4", "nvfp4"])
 def test_pre_dispatch_e2m1_code_boundaries_bitwise(weight_format):
-    """E2M1 tokens at and next to every code boundary: the quantizer (e2m1x8_word, which the GEMV's and the walk's
-    NVFP4 requantizations share) takes each code from a reciprocal product where no boundary lies within 2^-19 of the
-    quotient and from the IEEE division elsewhere; its bytes equal the CPU op's. Row r's blocks of 16 hold 6 x 2^e
-    (their largest: the quotients of the others then sit on or within an ulp or two of the boundaries 0.25 .. 5, for
-    NVFP4 whose scale 448 g is 2^e give or take an ulp, and exactly on them for MXFP4's power-of-two scales), the
-    boundaries times 2^e and their bf16 neighbours, with both signs, and zeros; plus rows of random values."""
+    """E2M1 tokens at and next to every code boundary: pre_dispatch's quantizer (e2m1x8_word: IEEE divisions, as the
+    walk's requantization; the GEMV's e2m1x8_word_fast must give the same codes, tests/test_models.py) gives the CPU
+    op's bytes, ties and all. Row r's blocks of 16 hold 6 x 2^e (their largest: the quotients of the others then sit
+    on or within an ulp or two of the boundaries 0.25 .. 5, for NVFP4 whose scale 448 g is 2^e give or take an ulp,
+    and exactly on them for MXFP4's power-of-two scales), the boundaries times 2^e and their bf16 neighbours, with both
+    signs, and zeros; plus rows of random values."""
     t, h = 37, 512
     case = make_case(8, h, 256, 3, t, weight_format, "fp4", device="cuda", seed=19, with_ref=False)
     bounds = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]

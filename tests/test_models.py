@@ -93,7 +93,7 @@ def test_fp4_gemv_fp16_block_sums_within_bf16_rounding():
 
 
 def test_e2m1_fast_quotient_equals_the_divisions():
-    """e2m1x8_word's fast path (codes from a reciprocal product where no code boundary lies within 2^-19) gives the
+    """e2m1x8_word_fast (codes from a reciprocal product where no code boundary lies within 2^-19) gives the
     IEEE divisions' codes for reciprocals up to 2 ulps below and above 1 / scale, on random values, values at and around
     every boundary and special values (docs/models/e2m1_fast_quotient.py); it takes most random values."""
     model = load("e2m1_fast_quotient")

@@ -175,10 +175,10 @@ __device__ __forceinline__ void convert_token(uint32_t* dst, const uint8_t* x, c
 
 // L2's NVFP4 tokens: the L1 outputs of the slots whose items this CTA takes (float32 [slot][inter] in `scratch`, each
 // 32 outputs' amax after them, [slot][inter / 32]) quantized as nvfp4_requant_kernel quantizes them on the tile walk
-// (the row's amax -> g = amax / (6 x 448); per 16: sf = e4m3(amax_blk / (6 g)), codes = e2m1(x / (sf g)), e2m1x8_word)
-// straight into B fragments (codes x sf x 2^kSplit, the same words as convert_token makes of those bytes), and each
-// slot's g into token_g, by the consumer warps: a few of the slots' rows from the L2 cache instead of a requantization
-// launch and the pool.
+// (the row's amax -> g = amax / (6 x 448); per 16: sf = e4m3(amax_blk / (6 g)), codes = e2m1(x / (sf g)): the same
+// codes, by e2m1x8_word_fast) straight into B fragments (codes x sf x 2^kSplit, the same words as convert_token makes
+// of those bytes), and each slot's g into token_g, by the consumer warps: a few of the slots' rows from the L2 cache
+// instead of a requantization launch and the pool.
 // NOTES (H100, 2026-11-27, forty-third session): the first form quantized every slot, a thread a 32-K block with 32
 // IEEE divisions (each a branch region, not interleaved), after a pass over every output for the amax: L2 ended 24 µs
 // after L1 at V4-Flash T=1 against NVFP4 w4a8's 15.5.
@@ -224,8 +224,8 @@ __device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const G
     const float denom = float(sf) * g, f = act_factor_ue4m3_f32(sf.__x);
     // 16-K block b16 = words 2 (b16 % 2) and 2 (b16 % 2) + 1 of 32-K block b16 / 2: fragment words 8 (b16 % 2) ..
     uint4* d = reinterpret_cast<uint4*>(s.token + (slot * blocks + b16 / 2) * 16 + 8 * (b16 % 2));
-    d[0] = e2m1_word_fragments(e2m1x8_word(v, denom), f);
-    d[1] = e2m1_word_fragments(e2m1x8_word(v + 8, denom), f);
+    d[0] = e2m1_word_fragments(e2m1x8_word_fast(v, denom), f);
+    d[1] = e2m1_word_fragments(e2m1x8_word_fast(v + 8, denom), f);
   }
 }
 

@@ -1,4 +1,4 @@
-"""Model of e2m1x8_word's fast path (csrc/kernels/sm90_common.cuh): E2M1 codes of v / scale (IEEE division, then
+"""Model of e2m1x8_word_fast (csrc/kernels/sm90_common.cuh): E2M1 codes of v / scale (IEEE division, then
 e2m1_code) taken from m = |v x r|, r = rcp.approx(scale), wherever m (1 - 2^-19) and m (1 + 2^-19) give the same code
 (and m is in [2^-100, 2^100]; zeros give code 0), the divisions elsewhere. The claim: the fast path never differs from
 the divisions, for any reciprocal within 1 ulp of 1 / scale (MUFU.RCP's bound; rcp.approx.ftz flushes subnormal
@@ -31,7 +31,7 @@ def e2m1_code(q: np.ndarray) -> np.ndarray:
 
 
 def divided(v: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """e2m1x8_word_div: codes of the IEEE quotients; 0 where the scale is not positive (0, negative, NaN)."""
+    """e2m1x8_word: codes of the IEEE quotients; 0 where the scale is not positive (0, negative, NaN)."""
     with np.errstate(all="ignore"):
         return np.where(scale > 0, e2m1_code((v / scale).astype(F32)), 0).astype(np.uint32)
 
