@@ -223,6 +223,37 @@ def test_pre_dispatch_matches_cpu_bitwise(weight_format, act_format):
     assert torch.equal(case.buffer.buffer[:end].cpu(), cpu.buffer[:end])
 
 
+@pytest.mark.parametrize("weight_format", ["mxfp4", "nvfp4"])
+def test_pre_dispatch_e2m1_code_boundaries_bitwise(weight_format):
+    """E2M1 tokens at and next to every code boundary: pre_dispatch's quantizer (e2m1x8_word: IEEE divisions, as the
+    walk's requantization; the GEMV's e2m1x8_word_fast must give the same codes, tests/test_models.py) gives the CPU
+    op's bytes, ties and all. Row r's blocks of 16 hold 6 x 2^e (their largest: the quotients of the others then sit
+    on or within an ulp or two of the boundaries 0.25 .. 5, for NVFP4 whose scale 448 g is 2^e give or take an ulp,
+    and exactly on them for MXFP4's power-of-two scales), the boundaries times 2^e and their bf16 neighbours, with both
+    signs, and zeros; plus rows of random values."""
+    t, h = 37, 512
+    case = make_case(8, h, 256, 3, t, weight_format, "fp4", device="cuda", seed=19, with_ref=False)
+    bounds = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    def bf16_steps(v, k):  # v (bf16-exact) moved k bf16 ulps
+        return torch.tensor([v], dtype=torch.bfloat16).view(torch.int16).add(k).view(torch.bfloat16).float().item()
+
+    rows = []
+    for r in range(t - 5):
+        c = 2.0 ** (r - 16)
+        vals = []
+        for j in range(h // 16):
+            b = bounds[j % 7] * c
+            near = [bf16_steps(b, k) for k in (0, 1, -1, 2, -2, 0, 1, -1, 2, -2, 0, 1, -1)]
+            vals += [6.0 * c] + [(-1.0) ** i * v for i, v in enumerate(near)] + [0.0, -0.0]
+        rows.append(torch.tensor(vals))
+    x = torch.cat([torch.stack(rows), torch.randn(5, h) * 3]).to(torch.bfloat16).cuda()
+    megamoe.pre_dispatch(x, case.topk_idx, case.topk_weights, case.buffer, weight_format=weight_format)
+    cpu = megamoe.get_symm_buffer(None, 8, t, 3, h, 256, act_format="fp4", device="cpu")
+    megamoe.pre_dispatch(x.cpu(), case.topk_idx.cpu(), case.topk_weights.cpu(), cpu, weight_format=weight_format)
+    end = case.buffer.layout["pool_src_offset"]
+    assert torch.equal(case.buffer.buffer[:end].cpu(), cpu.buffer[:end])
+
+
 # ------------------------------------------------------------------------------------------------
 # L1 and L2 in one launch (the default on one rank where L1 takes more than one round of the grid; the tests that test
 # it force it with MEGAMOE_FP8_FUSED=1) vs two launches (MEGAMOE_FP8_FUSED=0, read per call)

@@ -90,3 +90,13 @@ def test_fp4_gemv_fp16_block_sums_within_bf16_rounding():
             "fp32 block sums (FFMA)", "fp16 block sums (HFMA2)", "bf16 rounding of the exact sum"))
         assert fp32 < 1e-6, err
         assert 1e-6 < fp16 < bf16 / 3 and fp16 < 1e-3, err
+
+
+def test_e2m1_fast_quotient_equals_the_divisions():
+    """e2m1x8_word_fast (codes from a reciprocal product where no code boundary lies within 2^-19) gives the
+    IEEE divisions' codes for reciprocals up to 2 ulps below and above 1 / scale, on random values, values at and around
+    every boundary and special values (docs/models/e2m1_fast_quotient.py); it takes most random values."""
+    model = load("e2m1_fast_quotient")
+    for ulps, (taken, wrong, total) in model.check(200_000, seed=1).items():
+        assert wrong == 0, (ulps, wrong)
+        assert taken > total // 2, (ulps, taken, total)

@@ -125,8 +125,9 @@ void launch_fold_mxfp4(const uint8_t* src, const uint8_t* src_sf, int64_t k, uin
 // One token on one rank, MXFP4 weights with FP8 or MXFP4 tokens, or NVFP4 weights with FP8 or NVFP4 tokens: the experts
 // of its top-k slots as GEMVs on mma.sync (sm90_fp4_gemv.cu; heuristics::fp4_gemv; persistent CTAs on num_sms), no
 // routing or gather. L1 -> SwiGLU -> the L2 input (E4M3, or E2M1 with MXFP4 tokens, + UE8M0 per 32, in the pool; with
-// NVFP4 tokens float32 [top_k, intermediate] in `scratch`, which L2 quantizes) -> L2 -> bf16 rows in the combine area
-// (then launch_combine); reports bad ids and counts recv_stats as routing does.
+// NVFP4 tokens float32 [top_k, intermediate] and each 32 outputs' amax [top_k, intermediate / 32] in `scratch`, which
+// L2 quantizes) -> L2 -> bf16 rows in the combine area (then launch_combine); reports bad ids and counts recv_stats as
+// routing does.
 struct Fp4GemvLayer {
   const uint8_t* weights;     // packed E2M1 [E, n, k / 2] (transform_weights' kernel layout)
   const uint8_t* weights_sf;  // UE8M0 [E, n, k / 32] (NVFP4: UE4M3 [E, n, k / 16]), as scale tiles where scale_tiles

@@ -626,6 +626,31 @@ __device__ __forceinline__ uint32_t e2m1x8_word(const float* v, float scale) {
 __device__ __forceinline__ void store_e2m1x8(uint8_t* dst, const float* v, float scale) {
   *reinterpret_cast<uint32_t*>(dst) = e2m1x8_word(v, scale);
 }
+// e2m1x8_word's codes with fewer divisions. The code depends on the quotient only through its comparisons with the
+// seven code boundaries, so it is taken from m = |v x rcp(scale)| (MUFU.RCP, at most 1 ulp off: m lies within 2^-22 of
+// the quotient and of its rounding) wherever m (1 - 2^-19) and m (1 + 2^-19) give the same code (then no boundary
+// lies near, and the quotient, nonzero and finite there, has v's sign); zeros give code 0 (their quotient is +-0);
+// anything else (a boundary within 2^-19, m below 2^-100 or above 2^100, NaN, inf, a flushed reciprocal) takes the
+// divisions. docs/models/e2m1_fast_quotient.py checks the argument in float32 (tests/test_models.py: 0 differing codes
+// over random, boundary and special values; 249-1,275 without the 2^-19 margin).
+// Why: each IEEE division is a branch region of ~12 instructions that the compiler does not interleave; 32 in a row
+// made the GEMV's L2 quantization ~8 µs at V4-Flash T=1. Only there: in pre_dispatch (32 registers: the fast form
+// spills) and the walk's requantization it read 1.00-1.04x slower (H100 A/B, 2026-11-27, perf-notes 43rd/44th).
+__device__ __forceinline__ uint32_t e2m1x8_word_fast(const float* v, float scale) {
+  if (!(scale > 0.0f)) return 0;
+  const float r = ptx::rcp_approx(scale);
+  uint32_t packed = 0;
+  bool fast = true;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float m = fabsf(v[i] * r);
+    const uint32_t lo = e2m1_code(m * (1.0f - 0x1p-19f)), hi = e2m1_code(m * (1.0f + 0x1p-19f));
+    fast &= v[i] == 0.0f || (lo == hi && m >= 0x1p-100f && m <= 0x1p100f);
+    packed |= (v[i] == 0.0f ? 0u : lo | (v[i] < 0.0f ? 8u : 0u)) << (4 * i);
+  }
+  if (fast) return packed;
+  return e2m1x8_word(v, scale);
+}
 
 // ------------------------------------------------------------------------------------------------
 // Grouped-GEMM work tiles (both weight formats): tile -> (expert, token block, weight block)

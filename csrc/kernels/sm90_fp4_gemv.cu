@@ -3,7 +3,8 @@
 // global scale, as the walk's BF16 path splits them: weights x 2^-kSplit, tokens x 2^kSplit). heuristics::fp4_gemv
 // chooses it; layouts and semantics: docs/plans/fp4-gemv.md (w4a4: the token's E2M1 nibbles convert to the same bf16
 // fragments, and L1 writes E2M1 + UE8M0 as the walk's epilogue does, ceil_pow2(amax / 6) and e2m1_code; NVFP4 tokens:
-// L1 writes float32, and every L2 CTA quantizes the rows as the walk's requantization does, quantize_tokens_nvfp4).
+// L1 writes float32 and each 32 outputs' amax, and every L2 CTA quantizes the rows of its items' slots as the walk's
+// requantization does, quantize_tokens_nvfp4).
 //
 // Why: at T=1 the tile walk runs 256-row tiles (V4-Flash: 96 per GEMM on 132 SMs, 36 of them idle) and its wgmmas use
 // one of their 8-16 token columns; the walk is bound by tile granularity and per-SM issue (docs/perf-notes.md, thirty-
@@ -55,8 +56,8 @@ constexpr int kGemvRows = 4 * kFp4GemvTileRows;  // weight rows per item: four m
 constexpr int kL1Outputs = 32;  // L1 outputs per item: one UE8M0 block (32 gate rows and their 32 up rows)
 constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warps (0 is __syncthreads)
 static_assert(heuristics::kFp4GemvPartBytes == 2 * kGemvWarps * kGemvRows * 4, "partial sums: two items");
-static_assert(heuristics::kFp4GemvHeaderBytes >= 2 * heuristics::kFp4GemvMaxStages * 8 + 12 * heuristics::kFp4GemvMaxSlots + 64,
-              "full and empty barriers, slot ids, the slots' token global scales and amax, zeros");
+static_assert(heuristics::kFp4GemvHeaderBytes >= 2 * heuristics::kFp4GemvMaxStages * 8 + 12 * heuristics::kFp4GemvMaxSlots + 16 + 64,
+              "full and empty barriers, slot ids, the slots' token global scales, the quantized slots and their count, zeros");
 
 __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -91,7 +92,7 @@ struct GemvSmem {
   uint64_t* empty;
   int* ids;  // the token's slots' expert ids (read once: a global load an item stalled every warp ~10 % of L1's time)
   float* token_g;  // NVFP4 tokens: each slot's token global scale (L1: the token's; L2: its L1 output row's)
-  uint32_t* amax;  // NVFP4 tokens, L2: each slot's L1 output row amax (float bits: non-negative, ordered as integers)
+  int* quant;      // NVFP4 tokens, L2: the slots this CTA quantizes (quantize_tokens_nvfp4), then their count
   uint32_t* zeros;  // 64 zero bytes: the token fragments of lanes 4-31
   float (*part)[kGemvWarps][kGemvRows];
   uint32_t* token;
@@ -104,8 +105,8 @@ __device__ __forceinline__ GemvSmem carve(uint8_t* smem, int token_blocks) {
   s.empty = s.full + heuristics::kFp4GemvMaxStages;
   s.ids = reinterpret_cast<int*>(s.empty + heuristics::kFp4GemvMaxStages);
   s.token_g = reinterpret_cast<float*>(s.ids + heuristics::kFp4GemvMaxSlots);
-  s.amax = reinterpret_cast<uint32_t*>(s.token_g + heuristics::kFp4GemvMaxSlots);
-  s.zeros = s.amax + heuristics::kFp4GemvMaxSlots;
+  s.quant = reinterpret_cast<int*>(s.token_g + heuristics::kFp4GemvMaxSlots);
+  s.zeros = reinterpret_cast<uint32_t*>(s.quant + heuristics::kFp4GemvMaxSlots + 4);
   s.part = reinterpret_cast<float (*)[kGemvWarps][kGemvRows]>(smem + heuristics::kFp4GemvHeaderBytes);
   s.token = reinterpret_cast<uint32_t*>(smem + heuristics::kFp4GemvHeaderBytes + 2 * kGemvWarps * kGemvRows * 4);
   s.ring = reinterpret_cast<uint8_t*>(s.token) + heuristics::fp4_gemv_token_bytes(token_blocks);
@@ -123,19 +124,18 @@ __device__ __forceinline__ uint32_t e2m1_pair_bf16(uint32_t w, float f) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
-// A 32-K block of E2M1 tokens (words w: K 8t .. 8t + 7, low nibble first) -> its 16 B-fragment words at d, K 0-15
-// times f_lo and K 16-31 times f_hi (MXFP4: one UE8M0 factor; NVFP4: the two UE4M3 factors x 2^kSplit).
+// Word t of a 32-K block of E2M1 tokens (K 8t .. 8t + 7, low nibble first) times f -> B-fragment words 4t .. 4t + 3 of
+// the block.
+__device__ __forceinline__ uint4 e2m1_word_fragments(uint32_t w, float f) {
+  return make_uint4(e2m1_pair_bf16<0>(w, f), e2m1_pair_bf16<1>(w, f), e2m1_pair_bf16<2>(w, f), e2m1_pair_bf16<3>(w, f));
+}
+
+// A 32-K block of E2M1 tokens (words w) -> its 16 B-fragment words at d, K 0-15 times f_lo and K 16-31 times f_hi
+// (MXFP4: one UE8M0 factor; NVFP4: the two UE4M3 factors x 2^kSplit).
 __device__ __forceinline__ void e2m1_block_fragments(uint32_t* d, const uint32_t (&w)[4], float f_lo, float f_hi) {
-  uint32_t v[16];
-#pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    const float f = t < 2 ? f_lo : f_hi;
-    v[4 * t] = e2m1_pair_bf16<0>(w[t], f), v[4 * t + 1] = e2m1_pair_bf16<1>(w[t], f);
-    v[4 * t + 2] = e2m1_pair_bf16<2>(w[t], f), v[4 * t + 3] = e2m1_pair_bf16<3>(w[t], f);
-  }
   uint4* d4 = reinterpret_cast<uint4*>(d);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) d4[i] = make_uint4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+  for (int t = 0; t < 4; ++t) d4[t] = e2m1_word_fragments(w[t], t < 2 ? f_lo : f_hi);
 }
 
 // Token blocks [0, blocks) (E4M3 bytes `x` [32 blk ..], or with kFP4Act E2M1 `x` [16 blk ..]; UE8M0 `x_sf` [blk], or
@@ -173,46 +173,59 @@ __device__ __forceinline__ void convert_token(uint32_t* dst, const uint8_t* x, c
   }
 }
 
-// L2's NVFP4 tokens: the valid slots' L1 outputs (float32 [slot][inter] in `scratch`) quantized as
-// nvfp4_requant_kernel quantizes them on the tile walk (the row's amax -> g = amax / (6 x 448); per 16: sf =
-// e4m3(amax_blk / (6 g)), codes = e2m1(x / (sf g)), true division) straight into B fragments (codes x sf x 2^kSplit,
-// the same words as convert_token makes of those bytes), and each slot's g into token_g, by the consumer warps of
-// every CTA: top_k x inter floats from the L2 cache instead of a requantization launch and the pool.
-__device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const float* scratch, int slots, int inter,
-                                                      int num_experts) {
-  const int blocks = inter / 32, total = slots * blocks;
-  auto valid = [&](int slot) { return s.ids[slot] >= 0 && s.ids[slot] < num_experts; };
-  for (int i = threadIdx.x; i < total; i += 32 * kGemvWarps) {  // the rows' amax (s.amax zeroed by init_ring)
-    const int slot = i / blocks;
-    if (!valid(slot)) continue;  // L1 wrote nothing there; no item of it is consumed
-    float v[32];
-    load_floats_cg(scratch + int64_t(slot) * inter + (i % blocks) * 32, v);
-    float amax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) amax = max_nan(amax, fabsf(v[j]));
-    atomicMax(s.amax + slot, __float_as_uint(amax));  // NaN (above inf as integers) wins, as max_nan
+// L2's NVFP4 tokens: the L1 outputs of the slots whose items this CTA takes (float32 [slot][inter] in `scratch`, each
+// 32 outputs' amax after them, [slot][inter / 32]) quantized as nvfp4_requant_kernel quantizes them on the tile walk
+// (the row's amax -> g = amax / (6 x 448); per 16: sf = e4m3(amax_blk / (6 g)), codes = e2m1(x / (sf g)): the same
+// codes, by e2m1x8_word_fast) straight into B fragments (codes x sf x 2^kSplit, the same words as convert_token makes
+// of those bytes), and each slot's g into token_g, by the consumer warps: a few of the slots' rows from the L2 cache
+// instead of a requantization launch and the pool.
+// NOTES (H100, 2026-11-27, forty-third session): the first form quantized every slot, a thread a 32-K block with 32
+// IEEE divisions (each a branch region, not interleaved), after a pass over every output for the amax: L2 ended 24 µs
+// after L1 at V4-Flash T=1 against NVFP4 w4a8's 15.5.
+__device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const GemvPass& p, const float* scratch,
+                                                      int inter, int num_experts) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, blocks = inter / 32;
+  if (warp == 0) {  // the valid slots with an item in this CTA's turn (item = blockIdx.x + i x gridDim.x)
+    int n = 0;
+    for (int base = 0; base < p.slots; base += 32) {
+      const int slot = base + lane;
+      bool take = false;
+      if (slot < p.slots && s.ids[slot] >= 0 && s.ids[slot] < num_experts) {
+        const int first = slot * p.items, grid = static_cast<int>(gridDim.x);
+        const int ahead = ((static_cast<int>(blockIdx.x) - first) % grid + grid) % grid;
+        take = first + ahead < first + p.items;  // this CTA's first item at or past the slot's first
+      }
+      const uint32_t ballot = __ballot_sync(0xffffffffu, take);
+      if (take) s.quant[n + __popc(ballot & ((1u << lane) - 1))] = slot;
+      n += __popc(ballot);
+    }
+    if (lane == 0) s.quant[heuristics::kFp4GemvMaxSlots] = n;
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
-  for (int i = threadIdx.x; i < total; i += 32 * kGemvWarps) {
-    const int slot = i / blocks, blk = i % blocks;
-    if (!valid(slot)) continue;
-    const float g = nvfp4_global_scale(__uint_as_float(s.amax[slot]));
-    float v[32];
-    load_floats_cg(scratch + int64_t(slot) * inter + blk * 32, v);
-    uint32_t w[4];
-    float f[2];
+  const int n = s.quant[heuristics::kFp4GemvMaxSlots];
+  const float* item_amax = scratch + int64_t(p.slots) * inter;
+  for (int j = warp; j < n; j += kGemvWarps) {  // a warp a slot: the row's amax from its items' (max_nan: NaN wins)
+    const int slot = s.quant[j];
+    float amax = 0.0f;
+    for (int b = lane; b < blocks; b += 32) amax = max_nan(amax, __ldcg(item_amax + int64_t(slot) * blocks + b));
+    amax = warp_reduce_max<32>(amax);
+    if (lane == 0) s.token_g[slot] = nvfp4_global_scale(amax);
+  }
+  ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
+  for (int i = threadIdx.x; i < n * (inter / 16); i += 32 * kGemvWarps) {  // a thread a 16-K block
+    const int slot = s.quant[i / (inter / 16)], b16 = i % (inter / 16);
+    const float g = s.token_g[slot];
+    float v[16];
+    load_floats_cg(scratch + int64_t(slot) * inter + b16 * 16, v);
+    float bmax = 0.0f;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float bmax = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) bmax = max_nan(bmax, fabsf(v[16 * h + j]));
-      const __nv_fp8_e4m3 sf = nvfp4_block_scale(bmax, g);
-      const float denom = float(sf) * g;
-      w[2 * h] = e2m1x8_word(v + 16 * h, denom), w[2 * h + 1] = e2m1x8_word(v + 16 * h + 8, denom);
-      f[h] = act_factor_ue4m3_f32(sf.__x);
-    }
-    e2m1_block_fragments(s.token + (slot * blocks + blk) * 16, w, f[0], f[1]);
-    if (blk == 0) s.token_g[slot] = g;
+    for (int j = 0; j < 16; ++j) bmax = max_nan(bmax, fabsf(v[j]));
+    const __nv_fp8_e4m3 sf = nvfp4_block_scale(bmax, g);
+    const float denom = float(sf) * g, f = act_factor_ue4m3_f32(sf.__x);
+    // 16-K block b16 = words 2 (b16 % 2) and 2 (b16 % 2) + 1 of 32-K block b16 / 2: fragment words 8 (b16 % 2) ..
+    uint4* d = reinterpret_cast<uint4*>(s.token + (slot * blocks + b16 / 2) * 16 + 8 * (b16 % 2));
+    d[0] = e2m1_word_fragments(e2m1x8_word_fast(v, denom), f);
+    d[1] = e2m1_word_fragments(e2m1x8_word_fast(v + 8, denom), f);
   }
 }
 
@@ -377,7 +390,6 @@ __device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const i
   }
   for (int slot = threadIdx.x; slot < slots; slot += kGemvThreads) s.ids[slot] = __ldcg(ids + slot);
   if (threadIdx.x < 16) s.zeros[threadIdx.x] = 0;
-  if (threadIdx.x < heuristics::kFp4GemvMaxSlots) s.amax[threadIdx.x] = 0;
   __syncthreads();
 }
 
@@ -423,11 +435,12 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
     const float g = __bfloat162float(__float2bfloat16_rn(warps_sum(part, lane)));
     const float u = __bfloat162float(__float2bfloat16_rn(warps_sum(part, kL1Outputs + lane)));
     const float a = swiglu_value<kFast>(g, u, __ldcg(weights + slot), clamp);
+    const float amax = warp_reduce_max<32>(fabsf(a));
     if constexpr (kNV && kFP4Act) {  // NVFP4's global scale spans the whole row: L2 quantizes (quantize_tokens_nvfp4)
       scratch[int64_t(slot) * inter + ob * kL1Outputs + lane] = a;
+      if (lane == 0) scratch[int64_t(p.slots) * inter + int64_t(slot) * blocks + ob] = amax;
       return;
     }
-    const float amax = warp_reduce_max<32>(fabsf(a));
     const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / (kFP4Act ? kE2M1Max : kFP8Max));
     if constexpr (kFP4Act) {  // E2M1, low nibble first: lane 2i's byte takes lane 2i + 1's code
       const uint32_t code = e2m1_code(a * pow2_reciprocal(scale));
@@ -468,7 +481,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
   ptx::grid_dependency_wait();  // L1's outputs
   ptx::launch_dependents();
   if constexpr (kNV && kFP4Act) {
-    quantize_tokens_nvfp4(s, scratch, top_k, inter, num_experts);
+    quantize_tokens_nvfp4(s, p, scratch, inter, num_experts);
   } else {
     for (int slot = 0; slot < top_k; ++slot) {
       if (ids[slot] < 0 || ids[slot] >= num_experts) continue;  // L1 wrote nothing there; no item of it is consumed
@@ -515,8 +528,8 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
   if (layout.num_ranks != 1 || hidden % 128 != 0 || inter % 128 != 0 || top_k > heuristics::kFp4GemvMaxSlots ||
       l1_stages < 2 || l2_stages < 2 || (nv && layout.act_fp4 && scratch == nullptr))
     throw std::runtime_error("megamoe: the FP4 GEMV path takes one rank, hidden and intermediate multiples of 128, top_k "
-                             "<= 64, two ring stages of each layer and, with NVFP4 tokens, a float32 [top_k, "
-                             "intermediate] scratch (heuristics::fp4_gemv)");
+                             "<= 64, two ring stages of each layer and, with NVFP4 tokens, a float32 scratch of "
+                             "top_k x (intermediate + intermediate / 32) (heuristics::fp4_gemv)");
   const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, sb, l1_stages};
   const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, sb, l2_stages};
   // Persistent CTAs, one an SM (the ring takes most of its shared memory), over items x top_k items.

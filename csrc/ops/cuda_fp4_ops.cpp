@@ -60,9 +60,10 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
                                    nv_weights ? third.data_ptr<float>() : nullptr, fp4_scale_tiles(format, n, k)};
     };
     uint8_t* b = buffer_ptr(buffer);
-    // NVFP4 tokens: L1's float32 outputs, which L2 quantizes (their global scale spans the whole row).
+    // NVFP4 tokens: L1's float32 outputs and each 32's amax, which L2 quantizes (their global scale spans the row).
     at::Tensor scratch;
-    if (args.recipe == ActRecipe::kNVFP4) scratch = at::empty({l.top_k, l.intermediate}, y.options().dtype(at::kFloat));
+    if (args.recipe == ActRecipe::kNVFP4)
+      scratch = at::empty({l.top_k * (l.intermediate + l.intermediate / 32)}, y.options().dtype(at::kFloat));
     kernels::launch_fp4_gemv(layer(l1_weights, l1_weights_sf, l1_weights_global_sf, 2 * l.intermediate, l.hidden),
                              layer(l2_weights, l2_weights_sf, l2_weights_global_sf, l.hidden, l.intermediate), b, l,
                              clamp, fast_math, recv_stats_ptr,

@@ -481,6 +481,13 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   return d;
 }
 
+// 1 / x, approximate (MUFU.RCP: at most 1 ulp from the quotient; subnormal results flush to zero).
+__device__ __forceinline__ float rcp_approx(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // Byte permute: result byte i = byte sel[4i..4i+3] of {b, a} (a = bytes 0-3, b = bytes 4-7).
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
