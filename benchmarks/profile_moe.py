@@ -4,7 +4,7 @@
         [--timeline]
 
 --timeline: the call captured in a CUDA graph and replayed under the profiler; prints each kernel's start and
-end (µs from the first kernel's start) in the last replay. With programmatic dependent launch a kernel starts
+end (µs from the replay's first kernel's start), medians over 20 replays after 100 warm-up replays. With programmatic dependent launch a kernel starts
 before its predecessor ends and waits in griddepcontrol.wait, so per-kernel durations overlap: the end stamps
 show the critical path.
 
@@ -59,31 +59,36 @@ def main():
             print_timeline(step, f"{args.model} {fmt} a{act} T={t}")
 
 
-def print_timeline(step, what: str, replays: int = 5) -> None:
-    """Start / end of each kernel of the last of `replays` graph replays, µs from its first kernel's start."""
+def print_timeline(step, what: str, warmup: int = 100, replays: int = 20) -> None:
+    """Start / end of each kernel of a graph replay, µs from its first kernel's start: medians over `replays`
+    replays after `warmup` (right after a capture the op runs slow for ~90 replays: perf-notes, tenth session)."""
     import json
+    import statistics
     import tempfile
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for _ in range(3):
+    for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
-            torch.cuda.synchronize()  # replays apart, so the last one's kernels are the last ones in time
+            torch.cuda.synchronize()  # replays apart: each replay's kernels are consecutive in time
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset")), key=lambda e: e["ts"])
     per_call = len(kernels) // replays
-    last = kernels[-per_call:]
-    t0 = last[0]["ts"]
-    print(f"-- timeline of one graph replay, {what}: start / end / duration (µs)")
-    for e in last:
-        print(f"   {e['ts'] - t0:8.1f} {e['ts'] + e['dur'] - t0:8.1f} {e['dur']:8.1f}  {e['name'][:90]}")
-
+    calls = [kernels[r * per_call:(r + 1) * per_call] for r in range(replays)]
+    print(f"-- timeline of a graph replay, {what}: start / end / duration (µs), medians of {replays} replays "
+          f"after {warmup}; spread of the end (min-max)")
+    for j in range(per_call):
+        start = [c[j]["ts"] - c[0]["ts"] for c in calls]
+        end = [c[j]["ts"] + c[j]["dur"] - c[0]["ts"] for c in calls]
+        dur = [c[j]["dur"] for c in calls]
+        print(f"   {statistics.median(start):8.1f} {statistics.median(end):8.1f} {statistics.median(dur):8.1f}"
+              f"  ({min(end):6.1f}-{max(end):6.1f})  {calls[-1][j]['name'][:80]}")
 
 if __name__ == "__main__":
     main()
