@@ -4,9 +4,9 @@
         [--timeline]
 
 --timeline: the call captured in a CUDA graph and replayed under the profiler; prints each kernel's start and
-end (µs from the replay's first kernel's start), medians over 20 replays after 100 warm-up replays. With programmatic dependent launch a kernel starts
-before its predecessor ends and waits in griddepcontrol.wait, so per-kernel durations overlap: the end stamps
-show the critical path.
+end (µs from the replay's first kernel's start), medians over 20 replays after 100 warm-up replays. With
+programmatic dependent launch a kernel starts before its predecessor ends and waits in griddepcontrol.wait, so
+per-kernel durations overlap: the end stamps show the critical path.
 
 Under ncu (--ncu): no torch.profiler, 2 warm calls then one profiled call per T.
 """
@@ -89,6 +89,7 @@ def print_timeline(step, what: str, warmup: int = 100, replays: int = 20) -> Non
         dur = [c[j]["dur"] for c in calls]
         print(f"   {statistics.median(start):8.1f} {statistics.median(end):8.1f} {statistics.median(dur):8.1f}"
               f"  ({min(end):6.1f}-{max(end):6.1f})  {calls[-1][j]['name'][:80]}")
+
 
 if __name__ == "__main__":
     main()
