@@ -253,8 +253,8 @@ inline bool choose_mxfp4_fp8_mma() {
 
 // FP4 GEMV path for one token on one rank (sm90_fp4_gemv.cu; docs/plans/fp4-gemv.md): MXFP4 weights with FP8 or MXFP4
 // tokens (UE8M0 per 32: w4a8, w4a4), NVFP4 weights with FP8 or NVFP4 tokens (w4a8, w4a4: L2 quantizes L1's float32
-// outputs itself, the per-row global scale needing the whole row),
-// hidden and intermediate multiples of 128, two ring stages of either layer in shared memory (fp4_gemv_stages). Exact
+// outputs itself, the per-row global scale needing the whole row), hidden and intermediate multiples of 128, two ring
+// stages of either layer in shared memory (fp4_gemv_stages). Exact
 // products and float32 sums on mma.sync, not the default walk's FP8 wgmmas on folded values: other bits, so not with
 // peers (EP's ranks must round alike whatever their token counts; the EP tests' EP=1 runs turn it off).
 // MEGAMOE_FP4_GEMV=0 (read per call; tests) turns it off; the tile walk's own switches (MEGAMOE_FP4_BLOCK_M,

@@ -586,6 +586,12 @@ __device__ __forceinline__ void store_fp8x8(uint8_t* dst, const float* v, float 
   *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
 }
 
+// The UE8M0 recipes' block scale (MXFP4 tokens: code_max 6; FP8 with UE8M0 per 32: 448; the CPU op's,
+// csrc/cpu/quant.cpp): the power of two at or above max(amax, eps) / code_max.
+__device__ __forceinline__ float ue8m0_block_scale(float amax, float code_max) {
+  return ceil_pow2(max_nan(amax, kAmaxEps) / code_max);
+}
+
 // NVFP4's recipe (docs/decisions.md; the CPU op's, csrc/cpu/quant.cpp): the row's global scale g = max(amax, eps) /
 // (6 x 448), and a 16-value block's scale sf = e4m3(min(amax_blk / (6 g), 448)); codes of v / (sf g) (e2m1x8_word).
 __device__ __forceinline__ float nvfp4_global_scale(float row_amax) {

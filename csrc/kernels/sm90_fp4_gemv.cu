@@ -441,7 +441,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
       if (lane == 0) scratch[int64_t(p.slots) * inter + int64_t(slot) * blocks + ob] = amax;
       return;
     }
-    const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / (kFP4Act ? kE2M1Max : kFP8Max));
+    const float scale = ue8m0_block_scale(amax, kFP4Act ? kE2M1Max : kFP8Max);
     if constexpr (kFP4Act) {  // E2M1, low nibble first: lane 2i's byte takes lane 2i + 1's code
       const uint32_t code = e2m1_code(a * pow2_reciprocal(scale));
       const uint32_t odd = __shfl_down_sync(0xffffffffu, code, 1);

@@ -1451,7 +1451,7 @@ __global__ void __launch_bounds__(Roles<kBlockM>::kThreads, 1)
           const int bl = ctid / kCols, col = ctid % kCols;  // bl = pair * 2 + warp / 2: warps 2 bl, 2 bl + 1
           const float amax = max_nan(amax_smem[(2 * bl) * kCols + col], amax_smem[(2 * bl + 1) * kCols + col]);
           constexpr float kCodeMax = kOut == ActRecipe::kFP8UE8M0Block32 ? kFP8Max : kE2M1Max;
-          const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / kCodeMax);
+          const float scale = ue8m0_block_scale(amax, kCodeMax);
           inv_smem[bl * kCols + col] = pow2_reciprocal(scale);
           auto store_scale = [&] {
             if (col < t.rows)

@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
         else sf[blk] = ue8m0_bits(scale);
       }
     } else if constexpr (kRecipe == ActRecipe::kMXFP4) {
-      const float scale = ceil_pow2(max_nan(amax, kAmaxEps) / kE2M1Max);
+      const float scale = ue8m0_block_scale(amax, kE2M1Max);
       store_e2m1x8(data + g * (kVec / 2), v, scale);
       if (leader) sf[blk] = ue8m0_bits(scale);
     } else {
