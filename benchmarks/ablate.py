@@ -33,6 +33,13 @@ FP4 kernel (docs/perf-notes.md: its decode tiles run at 1.2-1.3x the weight-byte
   fp4-no-mma         no wgmma: each decoded A fragment is folded into the accumulator by XORs and one add (keeps the
                      decode live), so the tensor pipe is idle (is the register-A wgmma the prefill limit?)
 
+FP4 GEMV (T=1, sm90_fp4_gemv.cu):
+  gemv-no-consume    the consumer warps take no 128-K group of any tile (no ring reads, decode or mma.sync; they still
+                     wait for each stage and release it): the ring's streaming rate alone (is L1 / L2 bound by the
+                     consumers' issue or by the bytes?)
+  gemv-no-stream     the producer copies nothing (it arrives on each stage's full barrier plainly): the consumers run
+                     on whatever the ring holds, never waiting for bytes (their own time alone)
+
     python3 benchmarks/ablate.py TREE no-scales[,no-token-tma,...]
     e.g. on the device: AB_VARIANTS=".ab/main .ab/abl-scales" bash benchmarks/ab.sh (no AB_TESTS for these trees)
 """
@@ -43,11 +50,12 @@ import sys
 
 KERNEL = "csrc/kernels/sm90_fp8_grouped_gemm.cuh"
 KERNEL_FP4 = "csrc/kernels/sm90_fp4_grouped_gemm.cuh"
+KERNEL_GEMV = "csrc/kernels/sm90_fp4_gemv.cu"
 
 
 def kernel_of(name: str) -> str:
-    """The source file an ablation patches (the fp4-* ones: the FP4 kernel)."""
-    return KERNEL_FP4 if name.startswith("fp4-") else KERNEL
+    """The source file an ablation patches (fp4-*: the FP4 tile walk, gemv-*: the FP4 GEMV)."""
+    return KERNEL_FP4 if name.startswith("fp4-") else KERNEL_GEMV if name.startswith("gemv-") else KERNEL
 
 
 # (ablation, original text, replacement); each original must occur exactly once.
@@ -160,6 +168,16 @@ PATCHES = {
          "          for (int i = 4; i < kRegsW; ++i) part[i] = part[i % 4];"),
         ("          for (int s = 0; s < 8; ++s) ptx::WgmmaBF16RS<decltype(width)::value>::run(acc[ls], a[s], desc_b[s]);",
          "          for (int s = 0; s < 8; ++s) acc[ls][s] += __uint_as_float(a[s][0] ^ a[s][1] ^ a[s][2] ^ a[s][3] ^ uint32_t(desc_b[s]));"),
+    ],
+    "gemv-no-consume": [
+        ("  for (int g = g_begin; g < g_end; ++g) {\n    const int blk = 4 * g + q;",
+         "  for (int g = g_begin; g < g_begin; ++g) {\n    const int blk = 4 * g + q;"),
+    ],
+    "gemv-no-stream": [
+        ("      ptx::mbarrier_arrive_expect_tx(&s.full[stage], tile_bytes);",
+         "      ptx::mbarrier_arrive(&s.full[stage]);\n      if (false) {"),
+        ("p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);\n",
+         "p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);\n      }\n"),
     ],
 }
 

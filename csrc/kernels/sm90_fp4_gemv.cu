@@ -483,12 +483,12 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
   if constexpr (kNV && kFP4Act) {
     quantize_tokens_nvfp4(s, p, scratch, inter, num_experts);
   } else {
-    for (int slot = 0; slot < top_k; ++slot) {
-      if (ids[slot] < 0 || ids[slot] >= num_experts) continue;  // L1 wrote nothing there; no item of it is consumed
-      convert_token<kFP4Act, kNV>(s.token + slot * (inter / 32) * 16,
-                                  buffer + l.pool_offset + int64_t(slot) * (kFP4Act ? inter / 2 : inter),
-                                  buffer + l.pool_sf_offset + int64_t(slot) * (inter / 32), inter / 32);
-    }
+    // Every slot's row at once: the pool's rows [slot][I] (scales [slot][I / 32]) are one run of top_k x I / 32 blocks,
+    // as the token area's. A slot with a bad id converts bytes L1 never wrote there; no item of it is consumed.
+    // NOTES (H100, 2026-11-27, forty-fifth session): slot by slot, the first I / 32 threads took top_k round trips to
+    // the L2 cache in turn while the other warps waited at the barrier below (ncu, V4-Flash T=1: ~40 % of L2's warp
+    // samples on it).
+    convert_token<kFP4Act, kNV>(s.token, buffer + l.pool_offset, buffer + l.pool_sf_offset, top_k * (inter / 32));
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
   __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(buffer + l.combine_offset);  // token 0's slots
