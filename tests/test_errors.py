@@ -333,3 +333,20 @@ def test_valid_call_writes(fmt):
     assert torch.equal(ctx.stats - s0, torch.bincount(ctx.idx[ctx.idx >= 0].long(), minlength=E).int())
     ctx.pre_dispatch(x=-ctx.x)
     assert not torch.equal(b0, as_bytes(ctx.buf.buffer))
+
+
+@pytest.mark.parametrize("code,exc,pattern", [
+    (1, ValueError, r"topk_idx: expert id outside \[-1, num_experts\): got 9 at token 2, slot 1"),
+    (2, ValueError, r"token count above the buffer's capacity: got 9 from rank 1"),
+    (4, RuntimeError, r"timed out waiting for a peer rank .*: rank 9 \(this rank: 0 of 1\)"),
+    (77, ValueError, r"unknown error code 77: got 9"),
+])
+def test_error_word_messages(code, exc, pattern):
+    """check_error turns each code the kernels write into the error word (code, value, token, slot) into its message,
+    and clears the word."""
+    buf = megamoe.get_symm_buffer(None, E, CAP, K, H, I, device="cpu")
+    buf.error_word().copy_(torch.tensor([code, 9, 2, 1], dtype=torch.int32))
+    with pytest.raises(exc, match=pattern):
+        buf.check_error()
+    assert torch.equal(buf.error_word(), torch.zeros(4, dtype=torch.int32))
+    buf.check_error()
