@@ -338,6 +338,7 @@ def test_valid_call_writes(fmt):
 @pytest.mark.parametrize("code,exc,pattern", [
     (1, ValueError, r"topk_idx: expert id outside \[-1, num_experts\): got 9 at token 2, slot 1"),
     (2, ValueError, r"token count above the buffer's capacity: got 9 from rank 1"),
+    (3, RuntimeError, r"buffer's peer table does not hold this buffer .*: rank 9 \(this rank: 0 of 1\)"),
     (4, RuntimeError, r"timed out waiting for a peer rank .*: rank 9 \(this rank: 0 of 1\)"),
     (77, ValueError, r"unknown error code 77: got 9"),
 ])
