@@ -3,7 +3,9 @@
 #   benchmarks/device_check.sh [build|quick|test|sanitize|profile|bench|fp4|all][,more modes] [pytest -k expression]
 #   fp4: the FP4 GPU tests (with the sweep and the exactness test), then the FP4 probe benchmark.
 #   ablate: FP8 GEMM ablation builds with tile traces (ABLATIONS, ABL_MODEL, ABL_TOKENS; see below).
-#   sanitize: SANITIZE_FP8_K / SANITIZE_FP4_K replace the test selections (e.g. SANITIZE_FP8_K=pair_walk).
+#   sanitize: SANITIZE_FP8_K / SANITIZE_FP4_K replace the test selections (e.g. SANITIZE_FP8_K=pair_walk; none skips
+#   the FP8 tests); SANITIZE_KERNELS limits the tools to kernels whose name holds it (e.g. SANITIZE_FP8_K=none
+#   SANITIZE_FP4_K=fp4_gemv SANITIZE_KERNELS=fp4_gemv: the GEMV alone).
 #   poison: the FP4 GPU tests (POISON_K, default all of test_gpu_fp4.py) on a build whose converters fill the token
 #   columns past each tile's rows with NaN (MEGAMOE_POISON_STALE_COLUMNS): no stored value may depend on them.
 #   race: racecheck of the FP8 tests RACE_K in one tree per RACE_VARIANTS entry ("none" or ablate.py patches that
@@ -202,11 +204,16 @@ if has sanitize; then
   # within a tile: the small shapes (2-3 k blocks) never reuse a stage slot in one tile.
   # racecheck instruments megamoe's kernels only: on torch's own reduce_kernel (the tests' amax) it reports
   # hazards (2026-11-23, H100: 4 reports, all in at::native::reduce_kernel<MaxNanFunctor>, none in ours).
+  # SANITIZE_FP8_K=none skips the FP8 tests; SANITIZE_KERNELS (a kernel-name substring, e.g. fp4_gemv) limits both
+  # tools to those kernels (faster; racecheck otherwise instruments every megamoe kernel).
   for tool in memcheck racecheck; do
     filter=(); [ $tool = racecheck ] && filter=(--kernel-name kns=megamoe)
-    compute-sanitizer --tool $tool "${filter[@]}" --error-exitcode 9 python3 -m pytest tests/test_gpu_fp8.py -q -p no:cacheprovider \
-      -k "${SANITIZE_FP8_K:-small_shapes and (shape0 or shape2) or masked or one_expert or recv_stats or int64 or bad_expert or pair_walk and E16 or fused_launch_graph_replay}" 2>&1 | tee "$out/sanitize-$tool.log" | tail -4
-    echo "compute-sanitizer $tool exit (FP8): ${PIPESTATUS[0]}"
+    [ -n "${SANITIZE_KERNELS:-}" ] && filter=(--kernel-name "kns=$SANITIZE_KERNELS")
+    if [ "${SANITIZE_FP8_K:-}" != none ]; then
+      compute-sanitizer --tool $tool "${filter[@]}" --error-exitcode 9 python3 -m pytest tests/test_gpu_fp8.py -q -p no:cacheprovider \
+        -k "${SANITIZE_FP8_K:-small_shapes and (shape0 or shape2) or masked or one_expert or recv_stats or int64 or bad_expert or pair_walk and E16 or fused_launch_graph_replay}" 2>&1 | tee "$out/sanitize-$tool.log" | tail -4
+      echo "compute-sanitizer $tool exit (FP8): ${PIPESTATUS[0]}"
+    fi
     # FP4 (every weight / activation format pair): small shapes at 7 and 113 tokens, masks, one expert, bad ids, and
     # the scale tiles' bulk copies against the scale warp's (block_m 16, 16 with split K, 128; both GEMMs tiled).
     compute-sanitizer --tool $tool "${filter[@]}" --error-exitcode 9 python3 -m pytest tests/test_gpu_fp4.py -q -p no:cacheprovider \
