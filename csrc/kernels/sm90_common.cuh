@@ -600,6 +600,13 @@ __device__ __forceinline__ float nvfp4_global_scale(float row_amax) {
 __device__ __forceinline__ __nv_fp8_e4m3 nvfp4_block_scale(float block_amax, float g) {
   return __nv_fp8_e4m3(min_nan(block_amax / (g * kE2M1Max), kFP8Max));
 }
+// The same from the block's 16 values (their amax, NaN winning).
+__device__ __forceinline__ __nv_fp8_e4m3 nvfp4_block_scale(const float (&v)[16], float g) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = max_nan(amax, fabsf(v[i]));
+  return nvfp4_block_scale(amax, g);
+}
 
 // N floats (N % 4 == 0, 16-byte aligned) through the L2 cache (written by another grid of the chain).
 template <int N>

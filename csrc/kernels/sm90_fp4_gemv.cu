@@ -217,10 +217,7 @@ __device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const G
     const float g = s.token_g[slot];
     float v[16];
     load_floats_cg(scratch + int64_t(slot) * inter + b16 * 16, v);
-    float bmax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) bmax = max_nan(bmax, fabsf(v[j]));
-    const __nv_fp8_e4m3 sf = nvfp4_block_scale(bmax, g);
+    const __nv_fp8_e4m3 sf = nvfp4_block_scale(v, g);
     const float denom = float(sf) * g, f = act_factor_ue4m3_f32(sf.__x);
     // 16-K block b16 = words 2 (b16 % 2) and 2 (b16 % 2) + 1 of 32-K block b16 / 2: fragment words 8 (b16 % 2) ..
     uint4* d = reinterpret_cast<uint4*>(s.token + (slot * blocks + b16 / 2) * 16 + 8 * (b16 % 2));

@@ -71,10 +71,7 @@ constexpr int kRequantMaxThreads = 1024;
 // Quantizes one 16-element block of a row (a thread's 16 floats) with the row's global scale g into the pool.
 __device__ __forceinline__ void requant_block(const float (&v)[16], float g, uint8_t* pool_row, uint8_t* pool_sf,
                                               int b, int row, int pool_rows) {
-  float bmax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) bmax = max_nan(bmax, fabsf(v[i]));
-  const __nv_fp8_e4m3 sf = nvfp4_block_scale(bmax, g);
+  const __nv_fp8_e4m3 sf = nvfp4_block_scale(v, g);
   const float denom = float(sf) * g;
   store_e2m1x8(pool_row + b * 8, v, denom);
   store_e2m1x8(pool_row + b * 8 + 4, v + 8, denom);
