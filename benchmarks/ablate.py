@@ -174,8 +174,8 @@ PATCHES = {
          "  for (int g = g_begin; g < g_begin; ++g) {\n    const int blk = 4 * g + q;"),
     ],
     "gemv-no-stream": [
-        ("      ptx::mbarrier_arrive_expect_tx(&s.full[stage], tile_bytes);",
-         "      ptx::mbarrier_arrive(&s.full[stage]);\n      if (false) {"),
+        ("        ptx::mbarrier_arrive_expect_tx(&s.full[stage], tile_bytes);\n      }\n      __syncwarp();",
+         "        ptx::mbarrier_arrive(&s.full[stage]);\n      }\n      __syncwarp();\n      if (false) {"),
         ("p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);\n",
          "p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);\n      }\n"),
     ],

@@ -10,7 +10,7 @@
 // one of their 8-16 token columns; the walk is bound by tile granularity and per-SM issue (docs/perf-notes.md, thirty-
 // ninth session). Here an item is 64 weight rows of one slot's expert over the whole K (L1: 32 gate rows and their 32
 // up rows, one UE8M0 block of outputs; L2: 64 output rows), four m16 tiles of 16 contiguous rows. One persistent CTA
-// per SM takes items in turn (item = blockIdx.x + i x gridDim.x): a producer lane streams each tile's rows, scale bytes
+// per SM takes items in turn (item = blockIdx.x + i x gridDim.x): a producer warp streams each tile's rows, scale bytes
 // and row exponents into a ring of shared-memory stages with cp.async.bulk (contiguous bytes: one copy of the rows),
 // and 16 consumer warps split every tile's K by 128-K groups.
 // NOTES (H100, 2026-11-27, forty-second session; docs/perf-notes.md): v1 had each lane load its 16-byte pieces straight
@@ -226,13 +226,16 @@ __device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const G
   }
 }
 
-// Producer lane: every tile of the CTA's items whose slot holds a valid id, in the consumers' order. A tile is one
-// bulk copy of its 16 rows (contiguous), its scale bytes (rows: one copy; scale tiles: one 256-byte piece per 16
-// blocks) and its 16 row exponents.
+// Producer warp: every tile of the CTA's items whose slot holds a valid id, in the consumers' order. Lane 0 waits for
+// the stage and expects its bytes; then one bulk copy of the tile's 16 rows (contiguous) and one of its 16 row
+// exponents by lane 0, and its scale bytes (rows: one copy by lane 16; scale tiles: one 256-byte piece per 16 blocks,
+// by lanes 16-31 side by side). NOTES (H100, 2026-11-27, forty-sixth session, T=1, 3 rounds; docs/bench/
+// h100-2026-11-27m-ab-gemv-row-pad.txt, [2]): lane 0 issuing every piece (V4-Flash NVFP4 L1: 16 a tile) took
+// 1.005-1.056x this form's time at V4-Flash, 0.99-1.02x at V4-Pro.
 template <bool kNV, typename RowsOf>
 __device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
                                         RowsOf rows_of) {
-  const int kb = p.k / (kNV ? 16 : 32), row_bytes = p.k / 2;
+  const int lane = threadIdx.x % 32, kb = p.k / (kNV ? 16 : 32), row_bytes = p.k / 2;
   const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k, kNV ? 16 : 32);
   const uint32_t tile_bytes = kFp4GemvTileRows * (row_bytes + kb + (kNV ? 0 : 1));
   int stage = 0;
@@ -245,25 +248,28 @@ __device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, co
     rows_of(item % p.items, r0);
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-      ptx::mbarrier_wait(&s.empty[stage], phase ^ 1);
+      if (lane == 0) {
+        ptx::mbarrier_wait(&s.empty[stage], phase ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&s.full[stage], tile_bytes);
+      }
+      __syncwarp();  // the other lanes' copies land in the stage only after lane 0 saw it empty
       uint8_t* dst = s.ring + stage * stage_bytes;
-      ptx::mbarrier_arrive_expect_tx(&s.full[stage], tile_bytes);
       const int64_t row = int64_t(id) * p.n + r0[m];
-      ptx::bulk_load(dst, p.w.weights + row * row_bytes, kFp4GemvTileRows * row_bytes, &s.full[stage]);
+      if (lane == 0) ptx::bulk_load(dst, p.w.weights + row * row_bytes, kFp4GemvTileRows * row_bytes, &s.full[stage]);
       uint8_t* dst_sf = dst + kFp4GemvTileRows * row_bytes;
       if (p.w.scale_tiles) {
         // Scale tiles [n / 256][kb / 16][256][16] an expert: rows r0 .. r0 + 15 of 16 blocks are 256 contiguous bytes.
         const uint8_t* src = p.w.weights_sf + int64_t(id) * p.n * kb +
                              int64_t(r0[m] / kScaleTileRows) * (kb / kScaleTileBytes) * (kScaleTileRows * kScaleTileBytes) +
                              (r0[m] % kScaleTileRows) * kScaleTileBytes;
-        for (int j = 0; j < kb / kScaleTileBytes; ++j)
+        for (int j = lane - 16; j >= 0 && j < kb / kScaleTileBytes; j += 16)
           ptx::bulk_load(dst_sf + j * kFp4GemvTileRows * kScaleTileBytes,
                          src + int64_t(j) * kScaleTileRows * kScaleTileBytes, kFp4GemvTileRows * kScaleTileBytes,
                          &s.full[stage]);
-      } else {
+      } else if (lane == 16) {
         ptx::bulk_load(dst_sf, p.w.weights_sf + row * kb, kFp4GemvTileRows * kb, &s.full[stage]);
       }
-      if constexpr (!kNV)
+      if (!kNV && lane == 0)
         ptx::bulk_load(dst_sf + kFp4GemvTileRows * kb, p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);
       if (++stage == p.stages) stage = 0, phase ^= 1;
     }
@@ -410,7 +416,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
   };
   const int warp = threadIdx.x / 32;
   if (warp == kGemvWarps) {
-    if (threadIdx.x % 32 == 0) produce<kNV>(s, p, ids, num_experts, rows_of);
+    produce<kNV>(s, p, ids, num_experts, rows_of);
     return;
   }
   for (int slot = threadIdx.x; blockIdx.x == 0 && slot < p.slots; slot += 32 * kGemvWarps) {  // as routing: bad ids
@@ -472,7 +478,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
   if (warp == kGemvWarps) {
     // The producer streams weights before L1 ends (they do not depend on it). It does not wait at all: this grid's end
     // (combine's wait) follows the consumers', which wait.
-    if (threadIdx.x % 32 == 0) produce<kNV>(s, p, ids, num_experts, rows_of);
+    produce<kNV>(s, p, ids, num_experts, rows_of);
     return;
   }
   ptx::grid_dependency_wait();  // L1's outputs
