@@ -229,9 +229,11 @@ __device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const G
 // Producer warp: every tile of the CTA's items whose slot holds a valid id, in the consumers' order. Lane 0 waits for
 // the stage and expects its bytes; then one bulk copy of the tile's 16 rows (contiguous) and one of its 16 row
 // exponents by lane 0, and its scale bytes (rows: one copy by lane 16; scale tiles: one 256-byte piece per 16 blocks,
-// by lanes 16-31 side by side). NOTES (H100, 2026-11-27, forty-sixth session, T=1, 3 rounds; docs/bench/
-// h100-2026-11-27m-ab-gemv-row-pad.txt, [2]): lane 0 issuing every piece (V4-Flash NVFP4 L1: 16 a tile) took
-// 1.005-1.056x this form's time at V4-Flash, 0.99-1.02x at V4-Pro.
+// by lanes 16-31 side by side). NOTES (H100, 2026-11-27, forty-sixth session, T=1, 3 rounds, every FP4 pair): this
+// form over lane 0 issuing every piece (V4-Flash NVFP4 L1: 16 a tile) 0.980-1.000x per replay, 0.980-1.005x in a graph
+// (docs/bench/h100-2026-11-27m-ab-gemv-warp-producer.txt); first measured as -ab-gemv-row-pad.txt's [2], 0.947-1.009x.
+// The rows 64 bytes further apart in the stage (one copy a row by lanes 0-15, so that two rows' lanes in an LDS.128
+// phase take different banks) lost there: [1], 1.018-1.072x at V4-Flash (branch wip/gemv-row-pad).
 template <bool kNV, typename RowsOf>
 __device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
                                         RowsOf rows_of) {
