@@ -474,6 +474,13 @@ __device__ __forceinline__ float min_nan(float a, float b) {
   asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
   return d;
 }
+// max(amax, |v[i]|) over the N values, NaN winning (max_nan).
+template <int N>
+__device__ __forceinline__ float abs_max(const float (&v)[N], float amax = 0.0f) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) amax = max_nan(amax, fabsf(v[i]));
+  return amax;
+}
 
 // One SwiGLU output from the bf16-rounded gate and up values: clamp (when clamp >= 0; NaN propagates), silu(g) x u x
 // the top-k weight w, in float32, left to right (megamoe.reference's order): the FP4 GEMV's form, the same operations
@@ -602,10 +609,7 @@ __device__ __forceinline__ __nv_fp8_e4m3 nvfp4_block_scale(float block_amax, flo
 }
 // The same from the block's 16 values (their amax, NaN winning).
 __device__ __forceinline__ __nv_fp8_e4m3 nvfp4_block_scale(const float (&v)[16], float g) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) amax = max_nan(amax, fabsf(v[i]));
-  return nvfp4_block_scale(amax, g);
+  return nvfp4_block_scale(abs_max(v), g);
 }
 
 // N floats (N % 4 == 0, 16-byte aligned) through the L2 cache (written by another grid of the chain).

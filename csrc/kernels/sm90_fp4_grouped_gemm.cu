@@ -102,14 +102,11 @@ __global__ void __launch_bounds__(kRequantMaxThreads) nvfp4_requant_kernel(const
     const int b0 = threadIdx.x;
     float v[16] = {};
     if (b0 < blocks) load_floats_cg(src + b0 * 16, v);
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) amax = max_nan(amax, fabsf(v[i]));
+    float amax = abs_max(v);
     for (int b = b0 + blockDim.x; b < blocks; b += blockDim.x) {  // rows past 16 x 1,024 elements only
       float w[16];
       load_floats_cg(src + b * 16, w);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) amax = max_nan(amax, fabsf(w[i]));
+      amax = abs_max(w, amax);
     }
     amax = warp_reduce_max<32>(amax);
     if (lane == 0) warp_amax[it][warp] = amax;

@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
     for (int g = threadIdx.x; g < num_groups; g += blockDim.x) {
       float v[kVec];
       load_bf16x8(row + g * kVec, v);
-      for (int i = 0; i < kVec; ++i) amax = max_nan(amax, fabsf(v[i]));
+      amax = abs_max(v, amax);
     }
     amax = warp_reduce_max<32>(amax);
     if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
@@ -98,8 +98,7 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
     } else {
       for (int i = 0; i < kVec; ++i) v[i] = 0.0f;
     }
-    float amax = 0.0f;
-    for (int i = 0; i < kVec; ++i) amax = max_nan(amax, fabsf(v[i]));
+    float amax = abs_max(v);
     amax = warp_reduce_max<kLanesPerBlock>(amax);
     if (!active) continue;
     const int blk = g / kLanesPerBlock;
