@@ -50,14 +50,17 @@ using fp4::kBF16x2Pow2_126;
 using fp4::weight_factor_nv;
 using heuristics::kFp4GemvTileRows;
 
-constexpr int kGemvWarps = 16;  // consumer warps (8: 3-4 % slower at V4-Flash T=1, the same at V4-Pro); one more produces
-constexpr int kGemvThreads = 32 * (kGemvWarps + 1);
+constexpr int kGemvWarps = 16;  // consumer warps (8: 3-4 % slower at V4-Flash T=1, the same at V4-Pro)
+constexpr int kProducerWarp = kGemvWarps, kEpilogueWarp = kGemvWarps + 1;  // then one producer and one epilogue warp
+constexpr int kGemvThreads = 32 * (kGemvWarps + 2);
 constexpr int kGemvRows = 4 * kFp4GemvTileRows;  // weight rows per item: four m16 tiles
 constexpr int kL1Outputs = 32;  // L1 outputs per item: one UE8M0 block (32 gate rows and their 32 up rows)
 constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warps (0 is __syncthreads)
 static_assert(heuristics::kFp4GemvPartBytes == 2 * kGemvWarps * kGemvRows * 4, "partial sums: two items");
-static_assert(heuristics::kFp4GemvHeaderBytes >= 2 * heuristics::kFp4GemvMaxStages * 8 + 12 * heuristics::kFp4GemvMaxSlots + 16 + 64,
-              "full and empty barriers, slot ids, the slots' token global scales, the quantized slots and their count, zeros");
+static_assert(heuristics::kFp4GemvHeaderBytes >=
+                  2 * heuristics::kFp4GemvMaxStages * 8 + 12 * heuristics::kFp4GemvMaxSlots + 16 + 64 + 4 * 8,
+              "full and empty barriers, slot ids, the slots' token global scales, the quantized slots and their count, "
+              "zeros, the partial sums' barriers");
 
 __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -94,6 +97,8 @@ struct GemvSmem {
   float* token_g;  // NVFP4 tokens: each slot's token global scale (L1: the token's; L2: its L1 output row's)
   int* quant;      // NVFP4 tokens, L2: the slots this CTA quantizes (quantize_tokens_nvfp4), then their count
   uint32_t* zeros;  // 64 zero bytes: the token fragments of lanes 4-31
+  uint64_t* part_full;  // [2] part[b] holds an item's sums (the consumer warps arrive; the epilogue warp waits)
+  uint64_t* part_free;  // [2] the epilogue warp has read part[b] (it arrives; the consumers wait, two items on)
   float (*part)[kGemvWarps][kGemvRows];
   uint32_t* token;
   uint8_t* ring;
@@ -107,6 +112,8 @@ __device__ __forceinline__ GemvSmem carve(uint8_t* smem, int token_blocks) {
   s.token_g = reinterpret_cast<float*>(s.ids + heuristics::kFp4GemvMaxSlots);
   s.quant = reinterpret_cast<int*>(s.token_g + heuristics::kFp4GemvMaxSlots);
   s.zeros = reinterpret_cast<uint32_t*>(s.quant + heuristics::kFp4GemvMaxSlots + 4);
+  s.part_full = reinterpret_cast<uint64_t*>(s.zeros + 16);
+  s.part_free = s.part_full + 2;
   s.part = reinterpret_cast<float (*)[kGemvWarps][kGemvRows]>(smem + heuristics::kFp4GemvHeaderBytes);
   s.token = reinterpret_cast<uint32_t*>(smem + heuristics::kFp4GemvHeaderBytes + 2 * kGemvWarps * kGemvRows * 4);
   s.ring = reinterpret_cast<uint8_t*>(s.token) + heuristics::fp4_gemv_token_bytes(token_blocks);
@@ -335,22 +342,24 @@ __device__ __forceinline__ void consume_tile(float (&acc)[4], uint32_t& ea, uint
 }
 
 // Consumer warps: every item of the CTA whose slot holds a valid id, in the producer's order: its four tiles, each
-// row's sums times 2^(e - 127) (its largest scale byte e; 255: NaN, as on the FP8-wgmma path) into part[parity][warp],
-// a consumer barrier, then epilogue(part of the item, slot, item index in the slot) by the first warps. The token of
-// slot j is B fragments at token + j x token_words.
-template <bool kNV, bool kFP4Act, typename RowsOf, typename Epilogue>
+// row's sums times 2^(e - 127) (its largest scale byte e; 255: NaN, as on the FP8-wgmma path) into part[parity][warp]
+// for the epilogue warp (epilogue_items). The token of slot j is B fragments at token + j x token_words.
+// NOTES: the first consumer warp ran each item's epilogue after a barrier of all 16, so every item waited for it (and
+// for the slowest warp) before the next; the consumers now only hand the sums over (part_full / part_free), up to two
+// items ahead of the epilogue warp.
+template <bool kNV, bool kFP4Act, typename RowsOf>
 __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
-                                        int token_words, RowsOf rows_of, Epilogue epilogue) {
+                                        int token_words, RowsOf rows_of) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int groups = p.k / 128, g_begin = warp * groups / kGemvWarps, g_end = (warp + 1) * groups / kGemvWarps;
   const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k, kNV ? 16 : 32);
-  int stage = 0, parity = 0;
+  int stage = 0, parity = 0, n = 0;  // n: the valid items so far
   uint32_t phase = 0;
   const int total = p.items * p.slots;
   for (int item = blockIdx.x; item < total; item += gridDim.x) {
     const int slot = item / p.items;
     const int id = ids[slot];
-    if (id < 0 || id >= num_experts) continue;  // the producer skips it too
+    if (id < 0 || id >= num_experts) continue;  // the producer and the epilogue warp skip it too
     const uint32_t* token = s.token + slot * token_words;
     // NVFP4: the expert's global scale times the token's (NVFP4 tokens), as the walk's column factors.
     const float global = kNV ? __ldg(p.w.global_sf + id) * (kFP4Act ? s.token_g[slot] : 1.0f) : 1.0f;
@@ -365,6 +374,8 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
       if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
       if (++stage == p.stages) stage = 0, phase ^= 1;
     }
+    // The epilogue warp has read item n - 2's sums from part[parity] (phase (n - 2) / 2; before: the previous phase).
+    ptx::mbarrier_wait(&s.part_free[parity], ((n >> 1) & 1) ^ 1);
     if (lane % 4 == 0) {
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
@@ -372,11 +383,29 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
         s.part[parity][warp][16 * m + lane / 4 + 8] = acc[m][2] * (kNV ? global : ue8m0_float(eb[m]));
       }
     }
-    // One barrier an item: part[parity] is written again two items on, after every warp passed the next barrier,
-    // hence after this item's epilogue.
-    ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
-    epilogue(s.part[parity], slot, item % p.items);
-    parity ^= 1;
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&s.part_full[parity]);
+    parity ^= 1, ++n;
+  }
+}
+
+// Epilogue warp: the consumers' items in their order; each item's sums once written (part_full), then
+// epilogue(part of the item, slot, item index in the slot, lane) by the whole warp, then part_free.
+template <typename Epilogue>
+__device__ __forceinline__ void epilogue_items(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
+                                               Epilogue epilogue) {
+  const int lane = threadIdx.x % 32;
+  int parity = 0, n = 0;
+  const int total = p.items * p.slots;
+  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+    const int slot = item / p.items;
+    const int id = ids[slot];
+    if (id < 0 || id >= num_experts) continue;
+    ptx::mbarrier_wait(&s.part_full[parity], (n >> 1) & 1);
+    epilogue(s.part[parity], slot, item % p.items, lane);
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&s.part_free[parity]);
+    parity ^= 1, ++n;
   }
 }
 
@@ -391,6 +420,7 @@ __device__ __forceinline__ float warps_sum(const float (&part)[kGemvWarps][kGemv
 __device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const int* ids, int slots) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < stages; ++i) ptx::mbarrier_init(&s.full[i], 1), ptx::mbarrier_init(&s.empty[i], kGemvWarps);
+    for (int b = 0; b < 2; ++b) ptx::mbarrier_init(&s.part_full[b], kGemvWarps), ptx::mbarrier_init(&s.part_free[b], 1);
     ptx::fence_barrier_init();
   }
   for (int slot = threadIdx.x; slot < slots; slot += kGemvThreads) s.ids[slot] = __ldcg(ids + slot);
@@ -416,27 +446,9 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
     const int i0 = ob * kL1Outputs, gate0 = 128 * (i0 / 64) + i0 % 64;
     r0[0] = gate0, r0[1] = gate0 + 16, r0[2] = gate0 + 64, r0[3] = gate0 + 80;
   };
-  const int warp = threadIdx.x / 32;
-  if (warp == kGemvWarps) {
-    produce<kNV>(s, p, ids, num_experts, rows_of);
-    return;
-  }
-  for (int slot = threadIdx.x; blockIdx.x == 0 && slot < p.slots; slot += 32 * kGemvWarps) {  // as routing: bad ids
-    const int id = ids[slot];                                                                     // reported, valid
-    if ((id < 0 || id >= num_experts) && id != -1) record_error(buffer, l, layout::kErrorExpertId, id, 0, slot);
-    if (id >= 0 && id < num_experts && recv_stats != nullptr) atomicAdd(recv_stats + id, 1);  // slots counted
-  }
-  convert_token<kFP4Act, kNV>(s.token, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
-  if constexpr (kNV && kFP4Act) {  // every slot's token is token 0
-    const float gt = __ldcg(reinterpret_cast<const float*>(buffer + l.x_global_sf_offset));
-    for (int slot = threadIdx.x; slot < p.slots; slot += 32 * kGemvWarps) s.token_g[slot] = gt;
-  }
-  ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
   const float* weights = reinterpret_cast<const float*>(buffer + l.topk_weights_offset);
-  consume<kNV, kFP4Act>(s, p, ids, num_experts, 0, rows_of, [&](const float (&part)[kGemvWarps][kGemvRows], int slot,
-                                                                int ob) {
-    if (threadIdx.x >= 32) return;
-    const int lane = threadIdx.x, blocks = inter / kL1Outputs;
+  auto epilogue = [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int ob, int lane) {
+    const int blocks = inter / kL1Outputs;
     const float g = __bfloat162float(__float2bfloat16_rn(warps_sum(part, lane)));
     const float u = __bfloat162float(__float2bfloat16_rn(warps_sum(part, kL1Outputs + lane)));
     const float a = swiglu_value<kFast>(g, u, __ldcg(weights + slot), clamp);
@@ -457,7 +469,28 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
       buffer[l.pool_offset + int64_t(slot) * inter + ob * kL1Outputs + lane] = to_fp8(a * pow2_reciprocal(scale));
     }
     if (lane == 0) buffer[l.pool_sf_offset + int64_t(slot) * blocks + ob] = ue8m0_bits(scale);
-  });
+  };
+  const int warp = threadIdx.x / 32;
+  if (warp == kProducerWarp) {
+    produce<kNV>(s, p, ids, num_experts, rows_of);
+    return;
+  }
+  if (warp == kEpilogueWarp) {
+    epilogue_items(s, p, ids, num_experts, epilogue);
+    return;
+  }
+  for (int slot = threadIdx.x; blockIdx.x == 0 && slot < p.slots; slot += 32 * kGemvWarps) {  // as routing: bad ids
+    const int id = ids[slot];                                                                     // reported, valid
+    if ((id < 0 || id >= num_experts) && id != -1) record_error(buffer, l, layout::kErrorExpertId, id, 0, slot);
+    if (id >= 0 && id < num_experts && recv_stats != nullptr) atomicAdd(recv_stats + id, 1);  // slots counted
+  }
+  convert_token<kFP4Act, kNV>(s.token, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
+  if constexpr (kNV && kFP4Act) {  // every slot's token is token 0
+    const float gt = __ldcg(reinterpret_cast<const float*>(buffer + l.x_global_sf_offset));
+    for (int slot = threadIdx.x; slot < p.slots; slot += 32 * kGemvWarps) s.token_g[slot] = gt;
+  }
+  ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
+  consume<kNV, kFP4Act>(s, p, ids, num_experts, 0, rows_of);
 }
 
 // L2: item rb of a slot = weight rows [64 rb, 64 rb + 64) -> bf16 of the slot's combine row.
@@ -477,7 +510,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
     for (int m = 0; m < 4; ++m) r0[m] = rb * kGemvRows + kFp4GemvTileRows * m;
   };
   const int warp = threadIdx.x / 32;
-  if (warp == kGemvWarps) {
+  if (warp == kProducerWarp) {
     // The producer streams weights before L1 ends (they do not depend on it). It does not wait at all: this grid's end
     // (combine's wait) follows the consumers', which wait.
     produce<kNV>(s, p, ids, num_experts, rows_of);
@@ -485,6 +518,15 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
   }
   ptx::grid_dependency_wait();  // L1's outputs
   ptx::launch_dependents();
+  if (warp == kEpilogueWarp) {  // bf16 of each item's 64 rows into the slot's combine row
+    __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(buffer + l.combine_offset);  // token 0's slots
+    epilogue_items(s, p, ids, num_experts, [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int rb, int lane) {
+#pragma unroll
+      for (int r = lane; r < kGemvRows; r += 32)
+        out[int64_t(slot) * hidden + rb * kGemvRows + r] = __float2bfloat16_rn(warps_sum(part, r));
+    });
+    return;
+  }
   if constexpr (kNV && kFP4Act) {
     quantize_tokens_nvfp4(s, p, scratch, inter, num_experts);
   } else {
@@ -496,12 +538,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
     convert_token<kFP4Act, kNV>(s.token, buffer + l.pool_offset, buffer + l.pool_sf_offset, top_k * (inter / 32));
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
-  __nv_bfloat16* out = reinterpret_cast<__nv_bfloat16*>(buffer + l.combine_offset);  // token 0's slots
-  consume<kNV, kFP4Act>(s, p, ids, num_experts, (inter / 32) * 16, rows_of,
-          [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int rb) {
-            if (threadIdx.x >= kGemvRows) return;
-            out[int64_t(slot) * hidden + rb * kGemvRows + threadIdx.x] = __float2bfloat16_rn(warps_sum(part, threadIdx.x));
-          });
+  consume<kNV, kFP4Act>(s, p, ids, num_experts, (inter / 32) * 16, rows_of);
 }
 
 // L1 then L2, each a persistent grid with its ring's dynamic shared memory.
