@@ -265,12 +265,13 @@ inline bool choose_mxfp4_fp8_mma() {
 constexpr int kFp4GemvTileRows = 16;     // rows of a ring stage: one m16 tile
 constexpr int kFp4GemvMaxStages = 8;
 constexpr int kFp4GemvMaxSlots = 64;       // top_k
-// barriers, slot ids, the slots' NVFP4 token global scales, the slots a CTA quantizes and their count, zeros; padded
+// barriers, slot ids, the slots' NVFP4 token global scales, the slots a CTA quantizes and their count, zeros, the
+// partial sums' barriers (4); padded
 // to a whole number of 128-byte lines so that the ring (after the header, the partial sums and the token, all whole
 // lines) starts on a line. NOTES (H100, 2026-11-27, forty-third / forty-fourth sessions, T=1, every FP4 pair): the
 // ring 80 bytes past a line read 1.03-1.07x against 64 past; on a line 0.97-0.99x against 64 past (stage counts equal).
 constexpr int kFp4GemvHeaderBytes = 1152;
-static_assert(kFp4GemvHeaderBytes >= 2 * kFp4GemvMaxStages * 8 + 12 * kFp4GemvMaxSlots + 16 + 64 &&
+static_assert(kFp4GemvHeaderBytes >= 2 * kFp4GemvMaxStages * 8 + 12 * kFp4GemvMaxSlots + 16 + 64 + 4 * 8 &&
                   kFp4GemvHeaderBytes % 128 == 0, "the GEMV's shared-memory header (see above)");
 constexpr int kFp4GemvPartBytes = 2 * 16 * 64 * 4;  // the consumer warps' partial sums, two items
 constexpr int kFp4GemvSmemLimit = 232448;  // H100 / H200 / H20: 227 KB of dynamic shared memory a CTA

@@ -12,7 +12,7 @@
 // up rows, one UE8M0 block of outputs; L2: 64 output rows), four m16 tiles of 16 contiguous rows. One persistent CTA
 // per SM takes items in turn (item = blockIdx.x + i x gridDim.x): a producer warp streams each tile's rows, scale bytes
 // and row exponents into a ring of shared-memory stages with cp.async.bulk (contiguous bytes: one copy of the rows),
-// and 16 consumer warps split every tile's K by 128-K groups.
+// 16 consumer warps split every tile's K by 128-K groups, and an epilogue warp finishes each item from their sums.
 // NOTES (H100, 2026-11-27, forty-second session; docs/perf-notes.md): v1 had each lane load its 16-byte pieces straight
 // from global memory, CTAs of one item (2.9 waves on 132 SMs, 4 groups a warp): latency-bound at ~1.2 TB/s (V4-Flash
 // T=1: L1 41 µs, L2 32 µs; the call 1.15x the tile walk's time). This ring form: V4-Flash T=1 0.89-0.93x the walk's
@@ -87,8 +87,8 @@ struct GemvPass {
   int stages;              // ring stages (heuristics::fp4_gemv_stages)
 };
 
-// Shared memory: the ring's full / empty barriers, the consumer warps' partial sums (two buffers by item parity: one
-// consumer barrier an item), the token's bf16 B fragments (16 words per 32-K block: fp8_pair_bf16 in
+// Shared memory: the ring's full / empty barriers, the consumer warps' partial sums (two buffers by item parity, handed
+// to the epilogue warp through part_full / part_free), the token's bf16 B fragments (16 words per 32-K block: fp8_pair_bf16 in
 // decode_rows_bf16's K order), then the ring's stages (a tile: rows, scale bytes, row exponents).
 struct GemvSmem {
   uint64_t* full;
