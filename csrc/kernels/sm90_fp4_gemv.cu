@@ -97,8 +97,8 @@ struct GemvSmem {
   float* token_g;  // NVFP4 tokens: each slot's token global scale (L1: the token's; L2: its L1 output row's)
   int* quant;      // NVFP4 tokens, L2: the slots this CTA quantizes (quantize_tokens_nvfp4), then their count
   uint32_t* zeros;  // 64 zero bytes: the token fragments of lanes 4-31
-  uint64_t* part_full;  // [2] part[b] holds an item's sums (the consumer warps arrive; the epilogue warp waits)
-  uint64_t* part_free;  // [2] the epilogue warp has read part[b] (it arrives; the consumers wait, two items on)
+  uint64_t* part_full;  // [2] part[b] holds an item's sums (each consumer lane that wrote arrives; the epilogue warp waits)
+  uint64_t* part_free;  // [2] the epilogue warp has read part[b] (its 32 lanes arrive; the consumers wait, two items on)
   float (*part)[kGemvWarps][kGemvRows];
   uint32_t* token;
   uint8_t* ring;
@@ -382,9 +382,9 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
         s.part[parity][warp][16 * m + lane / 4] = acc[m][0] * (kNV ? global : ue8m0_float(ea[m]));
         s.part[parity][warp][16 * m + lane / 4 + 8] = acc[m][2] * (kNV ? global : ue8m0_float(eb[m]));
       }
+      // Each writing lane arrives itself: racecheck does not order other lanes' stores before one lane's arrive.
+      ptx::mbarrier_arrive(&s.part_full[parity]);
     }
-    __syncwarp();
-    if (lane == 0) ptx::mbarrier_arrive(&s.part_full[parity]);
     parity ^= 1, ++n;
   }
 }
@@ -403,8 +403,7 @@ __device__ __forceinline__ void epilogue_items(const GemvSmem& s, const GemvPass
     if (id < 0 || id >= num_experts) continue;
     ptx::mbarrier_wait(&s.part_full[parity], (n >> 1) & 1);
     epilogue(s.part[parity], slot, item % p.items, lane);
-    __syncwarp();
-    if (lane == 0) ptx::mbarrier_arrive(&s.part_free[parity]);
+    ptx::mbarrier_arrive(&s.part_free[parity]);  // every lane read part[parity]: every lane arrives (racecheck)
     parity ^= 1, ++n;
   }
 }
@@ -420,7 +419,10 @@ __device__ __forceinline__ float warps_sum(const float (&part)[kGemvWarps][kGemv
 __device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const int* ids, int slots) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < stages; ++i) ptx::mbarrier_init(&s.full[i], 1), ptx::mbarrier_init(&s.empty[i], kGemvWarps);
-    for (int b = 0; b < 2; ++b) ptx::mbarrier_init(&s.part_full[b], kGemvWarps), ptx::mbarrier_init(&s.part_free[b], 1);
+    for (int b = 0; b < 2; ++b) {  // part_full: the 8 lanes of each consumer warp that write sums; part_free: 32 lanes
+      ptx::mbarrier_init(&s.part_full[b], kGemvWarps * 8);
+      ptx::mbarrier_init(&s.part_free[b], 32);
+    }
     ptx::fence_barrier_init();
   }
   for (int slot = threadIdx.x; slot < slots; slot += kGemvThreads) s.ids[slot] = __ldcg(ids + slot);
