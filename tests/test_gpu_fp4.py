@@ -1017,6 +1017,19 @@ def test_fp4_gemv_many_slots_several_items_a_cta(weight_format, act_format, monk
         run_poisoned(case, check=True)
 
 
+def test_fp4_gemv_nvfp4_tokens_more_slots_a_cta_than_warps(monkeypatch):
+    """NVFP4 w4a4: each L2 CTA quantizes the L1 rows of the slots its items take (quantize_tokens_nvfp4: a warp a
+    slot's row amax, a thread a 16-K block); top_k 48 over hidden 4096 (L2: 64 items a slot, 3,072 items, ~23 slots a
+    CTA, more than its 16 consumer warps) takes warps through several slots. Against the reference, and bitwise run
+    to run."""
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    case = make_case(48, 4096, 128, 48, 1, "nvfp4", "fp4", device="cuda", masked_fraction=0.0, seed=816)
+    y, routed = run_marked(case)
+    assert not routed
+    assert rel_err(y, case.reference()) <= TOL
+    assert torch.equal(run_poisoned(case), y)
+
+
 def test_fp4_gemv_nvfp4_token_rows_of_every_scale(monkeypatch):
     """NVFP4 w4a4 on the GEMV: L2 quantizes each slot's L1 output row with its own global scale (the row's amax), as the
     walk's requantization does: slots whose top-k weights make rows of zeros (weight 0), of values below the quantizer's
