@@ -1056,6 +1056,28 @@ def test_fp4_gemv_nvfp4_token_rows_of_every_scale(monkeypatch):
             assert torch.isfinite(y).all() and rel_err(y, ref) <= TOL
 
 
+@pytest.mark.parametrize("weight_format,act_format", GEMV_PAIRS)
+def test_fp4_gemv_item_runs_same_bits(weight_format, act_format, monkeypatch):
+    """Each CTA's items as a run of consecutive items or as every gridDim.x-th (MEGAMOE_FP4_GEMV_RUNS, L1 bit 0, L2
+    bit 1): an item's sums do not depend on the CTA that takes it, so every setting gives the same bits. top_k 12 with
+    masked and bad slots between valid ones (runs that start or end inside a slot and skip invalid ones), V4-like K."""
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    e = 24
+    case = make_case(e, 1024, 512, 12, 1, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=817)
+    case.topk_idx = torch.tensor([[3, -1, 17, 5, e, 9, -1, 3, 22, 0, 11, 8]], dtype=case.topk_idx.dtype, device="cuda")
+    outs = []
+    for runs in "0123":
+        monkeypatch.setenv("MEGAMOE_FP4_GEMV_RUNS", runs)
+        y, routed = run_marked(case)
+        assert not routed
+        outs.append(y)
+    valid = case.topk_idx.clone()
+    valid[0, 4] = -1
+    assert rel_err(outs[0], case.reference(topk_idx=valid)) <= TOL
+    for y in outs[1:]:
+        assert torch.equal(y, outs[0])
+
+
 @pytest.mark.parametrize("scale_byte", [161, 200, 255])
 def test_fp4_gemv_scale_range(scale_byte, monkeypatch):
     """The GEMV decodes each weight relative to its row's largest scale (transform_weights' row exponents) and

@@ -307,6 +307,15 @@ inline bool fp4_gemv(int64_t num_tokens, int64_t num_ranks, bool supported, int 
   return env == nullptr || env[0] != '0';
 }
 
+// Which GEMV layers give each CTA a run of consecutive items (bit 0: L1, bit 1: L2) instead of every gridDim.x-th
+// (the same items a CTA, give or take one). A run touches one or two slots, the turns most of them: L2 with NVFP4
+// tokens quantizes every touched slot's float32 row in each CTA (V4-Pro: ~7 rows a CTA in turns, 1-2 in runs).
+// MEGAMOE_FP4_GEMV_RUNS (read per call: 0-3) overrides.
+inline int fp4_gemv_runs() {
+  const char* env = std::getenv("MEGAMOE_FP4_GEMV_RUNS");
+  return env == nullptr || env[0] < '0' || env[0] > '3' ? 2 : env[0] - '0';
+}
+
 // FP8-wgmma path (MXFP4 weights) with FP8 tokens: the gather folds L1's tokens per 128-K group (one factor each) as it
 // copies them, and L1's epilogue writes L2's input folded the same way, instead of every tile's converter warps folding
 // its tokens again (launch_gather's fold, Params::fold_output). Same folded values, so the same bits.

@@ -10,9 +10,10 @@
 // one of their 8-16 token columns; the walk is bound by tile granularity and per-SM issue (docs/perf-notes.md, thirty-
 // ninth session). Here an item is 64 weight rows of one slot's expert over the whole K (L1: 32 gate rows and their 32
 // up rows, one UE8M0 block of outputs; L2: 64 output rows), four m16 tiles of 16 contiguous rows. One persistent CTA
-// per SM takes items in turn (item = blockIdx.x + i x gridDim.x): a producer warp streams each tile's rows, scale bytes
-// and row exponents into a ring of shared-memory stages with cp.async.bulk (contiguous bytes: one copy of the rows),
-// 16 consumer warps split every tile's K by 128-K groups, and an epilogue warp finishes each item from their sums.
+// per SM takes items in turn (L1: item = blockIdx.x + i x gridDim.x; L2: a run of consecutive items, cta_items): a
+// producer warp streams each tile's rows, scale bytes and row exponents into a ring of shared-memory stages with
+// cp.async.bulk (contiguous bytes: one copy of the rows), 16 consumer warps split every tile's K by 128-K groups, and
+// an epilogue warp finishes each item from their sums.
 // NOTES (H100, 2026-11-27, forty-second session; docs/perf-notes.md): v1 had each lane load its 16-byte pieces straight
 // from global memory, CTAs of one item (2.9 waves on 132 SMs, 4 groups a warp): latency-bound at ~1.2 TB/s (V4-Flash
 // T=1: L1 41 µs, L2 32 µs; the call 1.15x the tile walk's time). This ring form: V4-Flash T=1 0.89-0.93x the walk's
@@ -85,7 +86,20 @@ struct GemvPass {
   int n, k, items, slots;  // slots: top_k (items of slot j are j x items ..)
   int scale_block;         // K a weight scale byte: 32 (MXFP4: UE8M0, w.row_exp) or 16 (NVFP4: UE4M3, w.global_sf)
   int stages;              // ring stages (heuristics::fp4_gemv_stages)
+  bool runs;               // each CTA takes a run of consecutive items, not every gridDim.x-th (heuristics::fp4_gemv_runs)
 };
+
+// The CTA's items: [first, end) by step. Items are slot-major (slot j's are j x items ..), so a run touches one or two
+// slots where the turns touch ~items x slots / gridDim.x (V4-Pro L2: ~7 of 8); NVFP4 tokens quantize each touched
+// slot's row in every CTA (quantize_tokens_nvfp4). Producer, consumers and epilogue warp walk the same items.
+struct ItemWalk {
+  int first, end, step;
+};
+__device__ __forceinline__ ItemWalk cta_items(const GemvPass& p) {
+  const int total = p.items * p.slots, grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
+  if (p.runs) return {cta * total / grid, (cta + 1) * total / grid, 1};
+  return {cta, total, grid};
+}
 
 // Shared memory: the ring's full / empty barriers, the consumer warps' partial sums (two buffers by item parity, handed
 // to the epilogue warp through part_full / part_free), the token's bf16 B fragments (16 words per 32-K block: fp8_pair_bf16 in
@@ -192,15 +206,18 @@ __device__ __forceinline__ void convert_token(uint32_t* dst, const uint8_t* x, c
 __device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const GemvPass& p, const float* scratch,
                                                       int inter, int num_experts) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, blocks = inter / 32;
-  if (warp == 0) {  // the valid slots with an item in this CTA's turn (item = blockIdx.x + i x gridDim.x)
+  if (warp == 0) {  // the valid slots with an item in this CTA's walk (cta_items)
+    const ItemWalk walk = cta_items(p);
     int n = 0;
     for (int base = 0; base < p.slots; base += 32) {
       const int slot = base + lane;
       bool take = false;
       if (slot < p.slots && s.ids[slot] >= 0 && s.ids[slot] < num_experts) {
-        const int first = slot * p.items, grid = static_cast<int>(gridDim.x);
-        const int ahead = ((static_cast<int>(blockIdx.x) - first) % grid + grid) % grid;
-        take = first + ahead < first + p.items;  // this CTA's first item at or past the slot's first
+        const int first = slot * p.items;
+        // the walk's first item at or past the slot's first is first + ahead
+        const int ahead =
+            first <= walk.first ? walk.first - first : (walk.step - (first - walk.first) % walk.step) % walk.step;
+        take = first + ahead < min(first + p.items, walk.end);
       }
       const uint32_t ballot = __ballot_sync(0xffffffffu, take);
       if (take) s.quant[n + __popc(ballot & ((1u << lane) - 1))] = slot;
@@ -249,8 +266,8 @@ __device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, co
   const uint32_t tile_bytes = kFp4GemvTileRows * (row_bytes + kb + (kNV ? 0 : 1));
   int stage = 0;
   uint32_t phase = 0;
-  const int total = p.items * p.slots;
-  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+  const ItemWalk walk = cta_items(p);
+  for (int item = walk.first; item < walk.end; item += walk.step) {
     const int id = ids[item / p.items];
     if (id < 0 || id >= num_experts) continue;
     int r0[4];
@@ -355,8 +372,8 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
   const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k, kNV ? 16 : 32);
   int stage = 0, parity = 0, n = 0;  // n: the valid items so far
   uint32_t phase = 0;
-  const int total = p.items * p.slots;
-  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+  const ItemWalk walk = cta_items(p);
+  for (int item = walk.first; item < walk.end; item += walk.step) {
     const int slot = item / p.items;
     const int id = ids[slot];
     if (id < 0 || id >= num_experts) continue;  // the producer and the epilogue warp skip it too
@@ -396,8 +413,8 @@ __device__ __forceinline__ void epilogue_items(const GemvSmem& s, const GemvPass
                                                Epilogue epilogue) {
   const int lane = threadIdx.x % 32;
   int parity = 0, n = 0;
-  const int total = p.items * p.slots;
-  for (int item = blockIdx.x; item < total; item += gridDim.x) {
+  const ItemWalk walk = cta_items(p);
+  for (int item = walk.first; item < walk.end; item += walk.step) {
     const int slot = item / p.items;
     const int id = ids[slot];
     if (id < 0 || id >= num_experts) continue;
@@ -574,8 +591,9 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
     throw std::runtime_error("megamoe: the FP4 GEMV path takes one rank, hidden and intermediate multiples of 128, top_k "
                              "<= 64, two ring stages of each layer and, with NVFP4 tokens, a float32 scratch of "
                              "top_k x (intermediate + intermediate / 32) (heuristics::fp4_gemv)");
-  const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, sb, l1_stages};
-  const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, sb, l2_stages};
+  const int runs = heuristics::fp4_gemv_runs();
+  const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, sb, l1_stages, (runs & 1) != 0};
+  const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, sb, l2_stages, (runs & 2) != 0};
   // Persistent CTAs, one an SM (the ring takes most of its shared memory), over items x top_k items.
   const dim3 g1(std::min(num_sms, p1.items * top_k)), g2(std::min(num_sms, p2.items * top_k));
   const int smem1 = heuristics::fp4_gemv_smem_bytes(hidden, sb, hidden / 32, l1_stages);
