@@ -308,12 +308,16 @@ inline bool fp4_gemv(int64_t num_tokens, int64_t num_ranks, bool supported, int 
 }
 
 // Which GEMV layers give each CTA a run of consecutive items (bit 0: L1, bit 1: L2) instead of every gridDim.x-th
-// (the same items a CTA, give or take one). A run touches one or two slots, the turns most of them: L2 with NVFP4
-// tokens quantizes every touched slot's float32 row in each CTA (V4-Pro: ~7 rows a CTA in turns, 1-2 in runs).
-// MEGAMOE_FP4_GEMV_RUNS (read per call: 0-3) overrides.
-inline int fp4_gemv_runs() {
+// (the same items a CTA, give or take one; the same bits). A run touches one or two slots, the turns most of them: L2
+// with NVFP4 tokens quantizes every touched slot's float32 row in each CTA (V4-Pro: ~7 rows a CTA in turns, 1-2 in
+// runs). MEGAMOE_FP4_GEMV_RUNS (read per call: 0-3) overrides.
+// NOTES (H100, 2026-11-27, perf-notes forty-seventh session, T=1, 3 rounds, time over turns in both layers): L2 in
+// runs 0.939 (V4-Pro NVFP4 w4a4; 1.565 -> 1.471 x floor), 0.997 (V4-Flash); the other pairs 0.993-1.011, L1 in runs
+// too 0.997-1.022: runs for L2 with NVFP4 tokens only.
+inline int fp4_gemv_runs(bool nvfp4_tokens) {
   const char* env = std::getenv("MEGAMOE_FP4_GEMV_RUNS");
-  return env == nullptr || env[0] < '0' || env[0] > '3' ? 2 : env[0] - '0';
+  if (env != nullptr && env[0] >= '0' && env[0] <= '3') return env[0] - '0';
+  return nvfp4_tokens ? 2 : 0;
 }
 
 // FP8-wgmma path (MXFP4 weights) with FP8 tokens: the gather folds L1's tokens per 128-K group (one factor each) as it

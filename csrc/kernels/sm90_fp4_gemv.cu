@@ -10,7 +10,7 @@
 // one of their 8-16 token columns; the walk is bound by tile granularity and per-SM issue (docs/perf-notes.md, thirty-
 // ninth session). Here an item is 64 weight rows of one slot's expert over the whole K (L1: 32 gate rows and their 32
 // up rows, one UE8M0 block of outputs; L2: 64 output rows), four m16 tiles of 16 contiguous rows. One persistent CTA
-// per SM takes items in turn (L1: item = blockIdx.x + i x gridDim.x; L2: a run of consecutive items, cta_items): a
+// per SM takes items in turn (item = blockIdx.x + i x gridDim.x; NVFP4 tokens' L2: a run of consecutive items): a
 // producer warp streams each tile's rows, scale bytes and row exponents into a ring of shared-memory stages with
 // cp.async.bulk (contiguous bytes: one copy of the rows), 16 consumer warps split every tile's K by 128-K groups, and
 // an epilogue warp finishes each item from their sums.
@@ -591,7 +591,7 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
     throw std::runtime_error("megamoe: the FP4 GEMV path takes one rank, hidden and intermediate multiples of 128, top_k "
                              "<= 64, two ring stages of each layer and, with NVFP4 tokens, a float32 scratch of "
                              "top_k x (intermediate + intermediate / 32) (heuristics::fp4_gemv)");
-  const int runs = heuristics::fp4_gemv_runs();
+  const int runs = heuristics::fp4_gemv_runs(nv && layout.act_fp4);
   const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, sb, l1_stages, (runs & 1) != 0};
   const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, sb, l2_stages, (runs & 2) != 0};
   // Persistent CTAs, one an SM (the ring takes most of its shared memory), over items x top_k items.
