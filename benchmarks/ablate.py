@@ -39,6 +39,10 @@ FP4 GEMV (T=1, sm90_fp4_gemv.cu):
                      consumers' issue or by the bytes?)
   gemv-no-stream     the producer copies nothing (it arrives on each stage's full barrier plainly): the consumers run
                      on whatever the ring holds, never waiting for bytes (their own time alone)
+  gemv-nvfp4-no-scratch  NVFP4 tokens: L1's epilogue stores no float32 outputs and amaxes (L2 quantizes whatever the
+                     scratch holds): is L1's in-graph excess over w4a8 (~5 µs at V4-Flash T=1) its stores?
+  gemv-nvfp4-no-quant    NVFP4 tokens: L2 quantizes nothing (its token fragments are whatever shared memory holds):
+                     L2's quantization cost in a graph replay
 
     python3 benchmarks/ablate.py TREE no-scales[,no-token-tma,...]
     e.g. on the device: AB_VARIANTS=".ab/main .ab/abl-scales" bash benchmarks/ab.sh (no AB_TESTS for these trees)
@@ -172,6 +176,16 @@ PATCHES = {
     "gemv-no-consume": [
         ("  for (int g = g_begin; g < g_end; ++g) {\n    const int blk = 4 * g + q;",
          "  for (int g = g_begin; g < g_begin; ++g) {\n    const int blk = 4 * g + q;"),
+    ],
+    "gemv-nvfp4-no-scratch": [
+        ("      scratch[int64_t(slot) * inter + ob * kL1Outputs + lane] = a;\n"
+         "      if (lane == 0) scratch[int64_t(p.slots) * inter + int64_t(slot) * blocks + ob] = amax;",
+         "      if (a == 12345.0f) scratch[int64_t(slot) * inter + ob * kL1Outputs + lane] = a;\n"
+         "      if (amax == 12345.0f) scratch[int64_t(p.slots) * inter + int64_t(slot) * blocks + ob] = amax;"),
+    ],
+    "gemv-nvfp4-no-quant": [
+        ("    quantize_tokens_nvfp4(s, p, scratch, inter, num_experts);",
+         "    if (inter < 0) quantize_tokens_nvfp4(s, p, scratch, inter, num_experts);"),
     ],
     "gemv-no-stream": [
         ("        ptx::mbarrier_arrive_expect_tx(&s.full[stage], tile_bytes);\n      }\n      __syncwarp();",
