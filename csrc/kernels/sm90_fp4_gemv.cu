@@ -387,8 +387,9 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
       ptx::mbarrier_wait(&s.full[stage], phase);
       consume_tile<kNV>(acc[m], ea[m], eb[m], s.ring + stage * stage_bytes, token, s.zeros, p.w.scale_tiles, p.k, g_begin,
                    g_end, lane);
-      __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);
+      // Every lane arrives on empty: racecheck does not order the other lanes' loads of the stage before one lane's
+      // arrive after __syncwarp (it reported the producer's next bulk copy into the stage once the ring wrapped).
+      ptx::mbarrier_arrive(&s.empty[stage]);
       if (++stage == p.stages) stage = 0, phase ^= 1;
     }
     // The epilogue warp has read item n - 2's sums from part[parity] (phase (n - 2) / 2; before: the previous phase).
@@ -435,7 +436,10 @@ __device__ __forceinline__ float warps_sum(const float (&part)[kGemvWarps][kGemv
 // The ring's barriers, and the slots' ids into shared memory (pre_dispatch wrote them: read after its grid ended).
 __device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const int* ids, int slots) {
   if (threadIdx.x == 0) {
-    for (int i = 0; i < stages; ++i) ptx::mbarrier_init(&s.full[i], 1), ptx::mbarrier_init(&s.empty[i], kGemvWarps);
+    for (int i = 0; i < stages; ++i) {  // empty: every consumer lane arrives
+      ptx::mbarrier_init(&s.full[i], 1);
+      ptx::mbarrier_init(&s.empty[i], 32 * kGemvWarps);
+    }
     for (int b = 0; b < 2; ++b) {  // part_full: the 8 lanes of each consumer warp that write sums; part_free: 32 lanes
       ptx::mbarrier_init(&s.part_full[b], kGemvWarps * 8);
       ptx::mbarrier_init(&s.part_free[b], 32);
