@@ -101,6 +101,17 @@ __device__ __forceinline__ ItemWalk cta_items(const GemvPass& p) {
   return {cta, total, grid};
 }
 
+// f(slot, id, index of the item in its slot) for each item of the CTA's walk whose slot holds a valid expert id: the
+// producer, the consumers and the epilogue warp take the same items in the same order (their rings and parities pair).
+template <typename F>
+__device__ __forceinline__ void for_each_item(const GemvPass& p, const int* ids, int num_experts, F f) {
+  const ItemWalk walk = cta_items(p);
+  for (int item = walk.first; item < walk.end; item += walk.step) {
+    const int slot = item / p.items, id = ids[slot];
+    if (id >= 0 && id < num_experts) f(slot, id, item % p.items);
+  }
+}
+
 // Shared memory: the ring's full / empty barriers, the consumer warps' partial sums (two buffers by item parity, handed
 // to the epilogue warp through part_full / part_free), the token's bf16 B fragments (16 words per 32-K block: fp8_pair_bf16 in
 // decode_rows_bf16's K order), then the ring's stages (a tile: rows, scale bytes, row exponents).
@@ -266,12 +277,9 @@ __device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, co
   const uint32_t tile_bytes = kFp4GemvTileRows * (row_bytes + kb + (kNV ? 0 : 1));
   int stage = 0;
   uint32_t phase = 0;
-  const ItemWalk walk = cta_items(p);
-  for (int item = walk.first; item < walk.end; item += walk.step) {
-    const int id = ids[item / p.items];
-    if (id < 0 || id >= num_experts) continue;
+  for_each_item(p, ids, num_experts, [&](int, int id, int index) {
     int r0[4];
-    rows_of(item % p.items, r0);
+    rows_of(index, r0);
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       if (lane == 0) {
@@ -299,7 +307,7 @@ __device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, co
         ptx::bulk_load(dst_sf + kFp4GemvTileRows * kb, p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);
       if (++stage == p.stages) stage = 0, phase ^= 1;
     }
-  }
+  });
 }
 
 // One tile (16 rows) times the token over this warp's 128-K groups [g_begin, g_end), into acc (m16n8 accumulators:
@@ -372,11 +380,7 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
   const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k, kNV ? 16 : 32);
   int stage = 0, parity = 0, n = 0;  // n: the valid items so far
   uint32_t phase = 0;
-  const ItemWalk walk = cta_items(p);
-  for (int item = walk.first; item < walk.end; item += walk.step) {
-    const int slot = item / p.items;
-    const int id = ids[slot];
-    if (id < 0 || id >= num_experts) continue;  // the producer and the epilogue warp skip it too
+  for_each_item(p, ids, num_experts, [&](int slot, int id, int) {
     const uint32_t* token = s.token + slot * token_words;
     // NVFP4: the expert's global scale times the token's (NVFP4 tokens), as the walk's column factors.
     const float global = kNV ? __ldg(p.w.global_sf + id) * (kFP4Act ? s.token_g[slot] : 1.0f) : 1.0f;
@@ -404,7 +408,7 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
       ptx::mbarrier_arrive(&s.part_full[parity]);
     }
     parity ^= 1, ++n;
-  }
+  });
 }
 
 // Epilogue warp: the consumers' items in their order; each item's sums once written (part_full), then
@@ -414,16 +418,12 @@ __device__ __forceinline__ void epilogue_items(const GemvSmem& s, const GemvPass
                                                Epilogue epilogue) {
   const int lane = threadIdx.x % 32;
   int parity = 0, n = 0;
-  const ItemWalk walk = cta_items(p);
-  for (int item = walk.first; item < walk.end; item += walk.step) {
-    const int slot = item / p.items;
-    const int id = ids[slot];
-    if (id < 0 || id >= num_experts) continue;
+  for_each_item(p, ids, num_experts, [&](int slot, int, int index) {
     ptx::mbarrier_wait(&s.part_full[parity], (n >> 1) & 1);
-    epilogue(s.part[parity], slot, item % p.items, lane);
+    epilogue(s.part[parity], slot, index, lane);
     ptx::mbarrier_arrive(&s.part_free[parity]);  // every lane read part[parity]: every lane arrives (racecheck)
     parity ^= 1, ++n;
-  }
+  });
 }
 
 __device__ __forceinline__ float warps_sum(const float (&part)[kGemvWarps][kGemvRows], int i) {
