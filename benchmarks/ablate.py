@@ -188,8 +188,9 @@ PATCHES = {
          "    if (inter < 0) quantize_tokens_nvfp4(s, p, scratch, inter, num_experts);"),
     ],
     "gemv-no-stream": [
-        ("        ptx::mbarrier_arrive_expect_tx(&s.full[stage], tile_bytes);\n      }\n      __syncwarp();",
-         "        ptx::mbarrier_arrive(&s.full[stage]);\n      }\n      __syncwarp();\n      if (false) {"),
+        ("      if (lane == 0) ptx::mbarrier_arrive_expect_tx(&s.full[stage], tile_bytes);\n"
+         "      __syncwarp();  // the bytes are expected before any copy completes",
+         "      if (lane == 0) ptx::mbarrier_arrive(&s.full[stage]);\n      __syncwarp();\n      if (false) {"),
         ("p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);\n",
          "p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);\n      }\n"),
     ],

@@ -261,8 +261,8 @@ __device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const G
   }
 }
 
-// Producer warp: every tile of the CTA's items whose slot holds a valid id, in the consumers' order. Lane 0 waits for
-// the stage and expects its bytes; then one bulk copy of the tile's 16 rows (contiguous) and one of its 16 row
+// Producer warp: every tile of the CTA's items whose slot holds a valid id, in the consumers' order. Every lane waits
+// for the stage and lane 0 expects its bytes; then one bulk copy of the tile's 16 rows (contiguous) and one of its 16 row
 // exponents by lane 0, and its scale bytes (rows: one copy by lane 16; scale tiles: one 256-byte piece per 16 blocks,
 // by lanes 16-31 side by side). NOTES (H100, 2026-11-27, forty-sixth session, T=1, 3 rounds, every FP4 pair): this
 // form over lane 0 issuing every piece (V4-Flash NVFP4 L1: 16 a tile) 0.980-1.000x per replay, 0.980-1.005x in a graph
@@ -282,11 +282,11 @@ __device__ __forceinline__ void produce(const GemvSmem& s, const GemvPass& p, co
     rows_of(index, r0);
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-      if (lane == 0) {
-        ptx::mbarrier_wait(&s.empty[stage], phase ^ 1);
-        ptx::mbarrier_arrive_expect_tx(&s.full[stage], tile_bytes);
-      }
-      __syncwarp();  // the other lanes' copies land in the stage only after lane 0 saw it empty
+      // Every lane that copies into the stage waits for it to be empty itself: racecheck does not order another lane's
+      // wait before a copy through __syncwarp (it reported the scale copies of lanes 16-31 once the ring wrapped).
+      ptx::mbarrier_wait(&s.empty[stage], phase ^ 1);
+      if (lane == 0) ptx::mbarrier_arrive_expect_tx(&s.full[stage], tile_bytes);
+      __syncwarp();  // the bytes are expected before any copy completes
       uint8_t* dst = s.ring + stage * stage_bytes;
       const int64_t row = int64_t(id) * p.n + r0[m];
       if (lane == 0) ptx::bulk_load(dst, p.w.weights + row * row_bytes, kFp4GemvTileRows * row_bytes, &s.full[stage]);
