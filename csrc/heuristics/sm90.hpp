@@ -266,12 +266,14 @@ constexpr int kFp4GemvTileRows = 16;     // rows of a ring stage: one m16 tile
 constexpr int kFp4GemvMaxStages = 8;
 constexpr int kFp4GemvMaxSlots = 64;       // top_k
 // barriers, slot ids, the slots' NVFP4 token global scales, the slots a CTA quantizes and their count, zeros, the
-// partial sums' barriers (4); padded
+// partial sums' barriers (4), the E2M1 -> E4M3 fold tables at 1024 (the MXFP4 FP8-mma form); padded
 // to a whole number of 128-byte lines so that the ring (after the header, the partial sums and the token, all whole
 // lines) starts on a line. NOTES (H100, 2026-11-27, forty-third / forty-fourth sessions, T=1, every FP4 pair): the
 // ring 80 bytes past a line read 1.03-1.07x against 64 past; on a line 0.97-0.99x against 64 past (stage counts equal).
-constexpr int kFp4GemvHeaderBytes = 1152;
-static_assert(kFp4GemvHeaderBytes >= 2 * kFp4GemvMaxStages * 8 + 12 * kFp4GemvMaxSlots + 16 + 64 + 4 * 8 &&
+constexpr int kFp4GemvHeaderBytes = 1280;
+constexpr int kFp4GemvTablesOffset = 1024;
+static_assert(kFp4GemvTablesOffset >= 2 * kFp4GemvMaxStages * 8 + 12 * kFp4GemvMaxSlots + 16 + 64 + 4 * 8 &&
+                  kFp4GemvHeaderBytes >= kFp4GemvTablesOffset + 24 * 8 &&
                   kFp4GemvHeaderBytes % 128 == 0, "the GEMV's shared-memory header (see above)");
 constexpr int kFp4GemvPartBytes = 2 * 16 * 64 * 4;  // the consumer warps' partial sums, two items
 constexpr int kFp4GemvSmemLimit = 232448;  // H100 / H200 / H20: 227 KB of dynamic shared memory a CTA
@@ -318,6 +320,18 @@ inline int fp4_gemv_runs(bool nvfp4_tokens) {
   const char* env = std::getenv("MEGAMOE_FP4_GEMV_RUNS");
   if (env != nullptr && env[0] >= '0' && env[0] <= '3') return env[0] - '0';
   return nvfp4_tokens ? 2 : 0;
+}
+
+// The GEMV's MXFP4 weights on FP8 mma.sync (m16n8k32 E4M3) instead of the BF16 decode: each weight folded to E4M3
+// relative to its row's largest scale (the fold tables, as the FP8-wgmma walk), the token folded per 128-K group (one
+// factor 2^(T - 127) a group), the group's four k32 MMAs summed in float32 by the group's factor: ~105 instructions a
+// 128-K group and lane against ~190, half the MMAs. The walk's FP8-wgmma roundings (weights exact within 14 binades of
+// their row's largest scale, tokens rounded more than 17 binades below their group's), not the BF16 form's exact
+// products. MEGAMOE_FP4_GEMV_FP8MMA=0 / =1 (read per call) forces the BF16 / FP8 form.
+inline bool fp4_gemv_fp8_mma() {
+  const char* env = std::getenv("MEGAMOE_FP4_GEMV_FP8MMA");
+  if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
+  return true;
 }
 
 // FP8-wgmma path (MXFP4 weights) with FP8 tokens: the gather folds L1's tokens per 128-K group (one factor each) as it

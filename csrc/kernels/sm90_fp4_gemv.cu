@@ -58,14 +58,25 @@ constexpr int kGemvRows = 4 * kFp4GemvTileRows;  // weight rows per item: four m
 constexpr int kL1Outputs = 32;  // L1 outputs per item: one UE8M0 block (32 gate rows and their 32 up rows)
 constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warps (0 is __syncthreads)
 static_assert(heuristics::kFp4GemvPartBytes == 2 * kGemvWarps * kGemvRows * 4, "partial sums: two items");
-static_assert(heuristics::kFp4GemvHeaderBytes >=
-                  2 * heuristics::kFp4GemvMaxStages * 8 + 12 * heuristics::kFp4GemvMaxSlots + 16 + 64 + 4 * 8,
+static_assert(heuristics::kFp4GemvTablesOffset >=
+                  2 * heuristics::kFp4GemvMaxStages * 8 + 12 * heuristics::kFp4GemvMaxSlots + 16 + 64 + 4 * 8 &&
+                  heuristics::kFp4GemvHeaderBytes >= heuristics::kFp4GemvTablesOffset + 8 * kNumFoldTables,
               "full and empty barriers, slot ids, the slots' token global scales, the quantized slots and their count, "
-              "zeros, the partial sums' barriers");
+              "zeros, the partial sums' barriers, then the fold tables");
 
 __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The FP8 form (MXFP4 weights, heuristics::fp4_gemv_fp8_mma): A rows g and g + 8 (registers 0 / 2 and 1 / 3) hold
+// columns 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 (t = lane % 4), B column g columns' K likewise (b0, b1).
+__device__ __forceinline__ void mma_m16n8k32_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -114,7 +125,8 @@ __device__ __forceinline__ void for_each_item(const GemvPass& p, const int* ids,
 
 // Shared memory: the ring's full / empty barriers, the consumer warps' partial sums (two buffers by item parity, handed
 // to the epilogue warp through part_full / part_free), the token's bf16 B fragments (16 words per 32-K block: fp8_pair_bf16 in
-// decode_rows_bf16's K order), then the ring's stages (a tile: rows, scale bytes, row exponents).
+// decode_rows_bf16's K order; the FP8 form: folded E4M3 bytes, 8 words a block, then a float factor a 128-K group,
+// fold_token), then the ring's stages (a tile: rows, scale bytes, row exponents).
 struct GemvSmem {
   uint64_t* full;
   uint64_t* empty;
@@ -124,6 +136,7 @@ struct GemvSmem {
   uint32_t* zeros;  // 64 zero bytes: the token fragments of lanes 4-31
   uint64_t* part_full;  // [2] part[b] holds an item's sums (each consumer lane that wrote arrives; the epilogue warp waits)
   uint64_t* part_free;  // [2] the epilogue warp has read part[b] (its 32 lanes arrive; the consumers wait, two items on)
+  uint2* tables;        // the E2M1 -> E4M3 fold tables (make_fold_table; the FP8 form)
   float (*part)[kGemvWarps][kGemvRows];
   uint32_t* token;
   uint8_t* ring;
@@ -139,6 +152,7 @@ __device__ __forceinline__ GemvSmem carve(uint8_t* smem, int token_blocks) {
   s.zeros = reinterpret_cast<uint32_t*>(s.quant + heuristics::kFp4GemvMaxSlots + 4);
   s.part_full = reinterpret_cast<uint64_t*>(s.zeros + 16);
   s.part_free = s.part_full + 2;
+  s.tables = reinterpret_cast<uint2*>(smem + heuristics::kFp4GemvTablesOffset);
   s.part = reinterpret_cast<float (*)[kGemvWarps][kGemvRows]>(smem + heuristics::kFp4GemvHeaderBytes);
   s.token = reinterpret_cast<uint32_t*>(smem + heuristics::kFp4GemvHeaderBytes + 2 * kGemvWarps * kGemvRows * 4);
   s.ring = reinterpret_cast<uint8_t*>(s.token) + heuristics::fp4_gemv_token_bytes(token_blocks);
@@ -202,6 +216,40 @@ __device__ __forceinline__ void convert_token(uint32_t* dst, const uint8_t* x, c
 #pragma unroll
       for (int i = 0; i < 4; ++i) d[i] = make_uint4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
     }
+  }
+}
+
+// The FP8 form's token: blocks [0, blocks) (E4M3 bytes `x` [32 blk ..], or with kFP4Act E2M1 `x` [16 blk ..]; UE8M0
+// `x_sf` [blk]) folded per 128-K group as the FP8-wgmma walk folds them (fold_quarter_word, fold_e2m1_quarter: block j
+// x 2^-(T - t_j), T the group's largest scale) into E4M3 bytes in K order at dst (8 words a block), and 2^(T - 127)
+// into factors[group], by the consumer warps: a lane a block, the four lanes of a group side by side (blocks % 4 == 0).
+template <bool kFP4Act>
+__device__ __forceinline__ void fold_token(uint32_t* dst, float* factors, const uint2* tables, const uint8_t* x,
+                                           const uint8_t* x_sf, int blocks) {
+  const int lane = threadIdx.x % 32;
+  for (int base = threadIdx.x - lane; base < blocks; base += 32 * kGemvWarps) {  // warp-uniform trips (shuffles)
+    const int blk = base + lane;
+    const bool active = blk < blocks;
+    const uint32_t t = active ? __ldcg(x_sf + blk) : 0u;
+    uint32_t tmax = max(t, __shfl_xor_sync(0xffffffffu, t, 1));
+    tmax = max(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+    if (!active) continue;
+    const int d = static_cast<int>(tmax - t);
+    uint32_t w[8];
+    if constexpr (kFP4Act) {
+      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 16));
+      fold_e2m1_quarter(raw, tables, d, [&](int st, uint32_t lo, uint32_t hi) { w[2 * st] = lo, w[2 * st + 1] = hi; });
+    } else {
+      const uint4 lo = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32));
+      const uint4 hi = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32 + 16));
+      const uint32_t v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[i] = fold_quarter_word(v[i], d);
+    }
+    uint4* out = reinterpret_cast<uint4*>(dst + blk * 8);
+    out[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    out[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    if (lane % 4 == 0) factors[blk / 4] = ue8m0_float(tmax);
   }
 }
 
@@ -366,15 +414,62 @@ __device__ __forceinline__ void consume_tile(float (&acc)[4], uint32_t& ea, uint
   }
 }
 
+// The FP8 form of consume_tile (MXFP4 weights): lane q's 32-K block of rows rr and rr + 8 decoded to E4M3 relative to
+// each row's largest scale (decode_weights_e4m3's fold: e2m1 x 2^(s - e + 6)), the token's folded bytes of the same K
+// as B (lanes 0-3; k32 step st takes K 8st .. 8st + 7 of each lane's block: A columns 4q .. and 16 + 4q .. of the
+// step), four MMAs a 128-K group into a fresh sum, then acc += sum x the group's token factor. The caller multiplies
+// by 2^(e - 127 - 6).
+__device__ __forceinline__ void consume_tile_e4m3(float (&acc)[4], uint32_t& ea, uint32_t& eb, const uint8_t* tile,
+                                                  const uint32_t* token, const float* token_f, const uint32_t* zeros,
+                                                  const uint2* tables, bool scale_tiles, int k, int g_begin, int g_end,
+                                                  int lane) {
+  const int q = lane % 4, rr = lane / 4, kb = k / 32, row_bytes = k / 2;
+  const uint8_t* sf = tile + kFp4GemvTileRows * row_bytes;
+  ea = sf[kFp4GemvTileRows * kb + rr];
+  eb = sf[kFp4GemvTileRows * kb + rr + 8];
+  const int sf_row = (scale_tiles ? rr * kScaleTileBytes : rr * kb) + q;
+  const int sf_row8 = scale_tiles ? 8 * kScaleTileBytes : 8 * kb;
+  const uint32_t* token_lane = lane < 4 ? token + q * 8 : zeros;  // 8 words a block, 32 a group
+  const int token_step = lane < 4 ? 32 : 0;
+  for (int g = g_begin; g < g_end; ++g) {
+    const int blk = 4 * g + q;
+    const uint4 wra = *reinterpret_cast<const uint4*>(tile + rr * row_bytes + blk * 16);
+    const uint4 wrb = *reinterpret_cast<const uint4*>(tile + (rr + 8) * row_bytes + blk * 16);
+    const uint32_t ug = static_cast<uint32_t>(g);
+    const int ia = sf_row + static_cast<int>(scale_tiles ? ((ug >> 2) << 8) | ((ug & 3) << 2) : 4 * ug);
+    // A scale above its row's largest (never written by transform_weights) reads the all-zero last table.
+    const uint2 ta = tables[min(ea - sf[ia], uint32_t(kNumFoldTables - 1))];
+    const uint2 tb = tables[min(eb - sf[ia + sf_row8], uint32_t(kNumFoldTables - 1))];
+    const uint4* t = reinterpret_cast<const uint4*>(token_lane + g * token_step);
+    const uint4 t0 = t[0], t1 = t[1];
+    const uint32_t b[8] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z, t1.w};
+    const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};
+    float sum[4] = {};
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+      uint32_t a[4];
+      e2m1x8_to_e4m3(wa[st], ta, a[0], a[2]);
+      e2m1x8_to_e4m3(wb[st], tb, a[1], a[3]);
+      mma_m16n8k32_e4m3(sum, a, b[2 * st], b[2 * st + 1]);
+    }
+    const float f = token_f[g];
+    acc[0] = fmaf(sum[0], f, acc[0]);
+    acc[2] = fmaf(sum[2], f, acc[2]);
+  }
+}
+
 // Consumer warps: every item of the CTA whose slot holds a valid id, in the producer's order: its four tiles, each
 // row's sums times 2^(e - 127) (its largest scale byte e; 255: NaN, as on the FP8-wgmma path) into part[parity][warp]
 // for the epilogue warp (epilogue_items). The token of slot j is B fragments at token + j x token_words.
 // NOTES: the first consumer warp ran each item's epilogue after a barrier of all 16, so every item waited for it (and
 // for the slowest warp) before the next; the consumers now only hand the sums over (part_full / part_free), up to two
 // items ahead of the epilogue warp.
-template <bool kNV, bool kFP4Act, typename RowsOf>
+// The FP8 form (kFP8Mma): the token of slot j is folded bytes at token + j x token_words and its group factors at
+// token_f + j x token_words / 32; the rows' factor is 2^(e - 127 - kFoldHeadroom).
+template <bool kNV, bool kFP4Act, bool kFP8Mma, typename RowsOf>
 __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
-                                        int token_words, RowsOf rows_of) {
+                                        int token_words, const float* token_f, RowsOf rows_of) {
+  static_assert(!(kNV && kFP8Mma), "the FP8 form takes MXFP4 weights");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int groups = p.k / 128, g_begin = warp * groups / kGemvWarps, g_end = (warp + 1) * groups / kGemvWarps;
   const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k, kNV ? 16 : 32);
@@ -389,8 +484,12 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       ptx::mbarrier_wait(&s.full[stage], phase);
-      consume_tile<kNV>(acc[m], ea[m], eb[m], s.ring + stage * stage_bytes, token, s.zeros, p.w.scale_tiles, p.k, g_begin,
-                   g_end, lane);
+      if constexpr (kFP8Mma)
+        consume_tile_e4m3(acc[m], ea[m], eb[m], s.ring + stage * stage_bytes, token, token_f + slot * (token_words / 32),
+                          s.zeros, s.tables, p.w.scale_tiles, p.k, g_begin, g_end, lane);
+      else
+        consume_tile<kNV>(acc[m], ea[m], eb[m], s.ring + stage * stage_bytes, token, s.zeros, p.w.scale_tiles, p.k,
+                          g_begin, g_end, lane);
       // Every lane arrives on empty: racecheck does not order the other lanes' loads of the stage before one lane's
       // arrive after __syncwarp (it reported the producer's next bulk copy into the stage once the ring wrapped).
       ptx::mbarrier_arrive(&s.empty[stage]);
@@ -399,10 +498,13 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
     // The epilogue warp has read item n - 2's sums from part[parity] (phase (n - 2) / 2; before: the previous phase).
     ptx::mbarrier_wait(&s.part_free[parity], ((n >> 1) & 1) ^ 1);
     if (lane % 4 == 0) {
+      // 2^-kFoldHeadroom x 2^(e - 127): exact (a subnormal power of two from e < 7 on)
+      const auto row_factor = [](uint32_t e) { return kFP8Mma ? ue8m0_float(e) * 0x1p-6f : ue8m0_float(e); };
+      static_assert(kFoldHeadroom == 6, "row_factor's 2^-6");
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        s.part[parity][warp][16 * m + lane / 4] = acc[m][0] * (kNV ? global : ue8m0_float(ea[m]));
-        s.part[parity][warp][16 * m + lane / 4 + 8] = acc[m][2] * (kNV ? global : ue8m0_float(eb[m]));
+        s.part[parity][warp][16 * m + lane / 4] = acc[m][0] * (kNV ? global : row_factor(ea[m]));
+        s.part[parity][warp][16 * m + lane / 4 + 8] = acc[m][2] * (kNV ? global : row_factor(eb[m]));
       }
       // Each writing lane arrives itself: racecheck does not order other lanes' stores before one lane's arrive.
       ptx::mbarrier_arrive(&s.part_full[parity]);
@@ -448,12 +550,14 @@ __device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const i
   }
   for (int slot = threadIdx.x; slot < slots; slot += kGemvThreads) s.ids[slot] = __ldcg(ids + slot);
   if (threadIdx.x < 16) s.zeros[threadIdx.x] = 0;
+  if (threadIdx.x >= 32 && threadIdx.x < 32 + kNumFoldTables)  // the FP8 form's fold tables
+    s.tables[threadIdx.x - 32] = make_fold_table(threadIdx.x - 32 - kFoldHeadroom);
   __syncthreads();
 }
 
 // L1: item ob of a slot = the 32 gate rows of outputs [32 ob, 32 ob + 32) and their up rows, 64
 // further (transform_weights' interleave: chunk 2j = gate rows [64j, 64j + 64), chunk 2j + 1 = the matching up rows).
-template <bool kFast, bool kFP4Act, bool kNV>
+template <bool kFast, bool kFP4Act, bool kNV, bool kFP8Mma>
 __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p, uint8_t* buffer,
                                                                       layout::BufferLayout l, float clamp,
                                                                       int* recv_stats, float* scratch) {
@@ -507,23 +611,28 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
     if ((id < 0 || id >= num_experts) && id != -1) record_error(buffer, l, layout::kErrorExpertId, id, 0, slot);
     if (id >= 0 && id < num_experts && recv_stats != nullptr) atomicAdd(recv_stats + id, 1);  // slots counted
   }
-  convert_token<kFP4Act, kNV>(s.token, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
+  float* token_f = reinterpret_cast<float*>(s.token + 8 * (hidden / 32));  // the FP8 form's group factors
+  if constexpr (kFP8Mma)
+    fold_token<kFP4Act>(s.token, token_f, s.tables, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
+  else
+    convert_token<kFP4Act, kNV>(s.token, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
   if constexpr (kNV && kFP4Act) {  // every slot's token is token 0
     const float gt = __ldcg(reinterpret_cast<const float*>(buffer + l.x_global_sf_offset));
     for (int slot = threadIdx.x; slot < p.slots; slot += 32 * kGemvWarps) s.token_g[slot] = gt;
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
-  consume<kNV, kFP4Act>(s, p, ids, num_experts, 0, rows_of);
+  consume<kNV, kFP4Act, kFP8Mma>(s, p, ids, num_experts, 0, token_f, rows_of);
 }
 
 // L2: item rb of a slot = weight rows [64 rb, 64 rb + 64) -> bf16 of the slot's combine row.
-template <bool kFP4Act, bool kNV>
+template <bool kFP4Act, bool kNV, bool kFP8Mma>
 __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p, uint8_t* buffer,
                                                                       layout::BufferLayout l, const float* scratch) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);
   const int top_k = p.slots;
   const GemvSmem s = carve(smem, top_k * (inter / 32));
+  float* token_f = reinterpret_cast<float*>(s.token + 8 * top_k * (inter / 32));  // the FP8 form's group factors
   // The ids before the dependency wait: pre_dispatch wrote them, and L1 triggered this grid only after its own wait for
   // pre_dispatch (every kernel of the chain triggers after its wait; see combine_kernel).
   init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), top_k);
@@ -558,23 +667,27 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
     // NOTES (H100, 2026-11-27, forty-fifth session): slot by slot, the first I / 32 threads took top_k round trips to
     // the L2 cache in turn while the other warps waited at the barrier below (ncu, V4-Flash T=1: ~40 % of L2's warp
     // samples on it); in one pass the call takes 0.95-0.98x the time for w4a8 and MXFP4 w4a4 at T=1.
-    convert_token<kFP4Act, kNV>(s.token, buffer + l.pool_offset, buffer + l.pool_sf_offset, top_k * (inter / 32));
+    if constexpr (kFP8Mma)
+      fold_token<kFP4Act>(s.token, token_f, s.tables, buffer + l.pool_offset, buffer + l.pool_sf_offset,
+                          top_k * (inter / 32));
+    else
+      convert_token<kFP4Act, kNV>(s.token, buffer + l.pool_offset, buffer + l.pool_sf_offset, top_k * (inter / 32));
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
-  consume<kNV, kFP4Act>(s, p, ids, num_experts, (inter / 32) * 16, rows_of);
+  consume<kNV, kFP4Act, kFP8Mma>(s, p, ids, num_experts, (inter / 32) * (kFP8Mma ? 8 : 16), token_f, rows_of);
 }
 
 // L1 then L2, each a persistent grid with its ring's dynamic shared memory.
-template <bool kFast, bool kFP4Act, bool kNV>
+template <bool kFast, bool kFP4Act, bool kNV, bool kFP8Mma>
 void launch_gemv(const GemvPass& p1, const GemvPass& p2, dim3 g1, dim3 g2, int smem1, int smem2, uint8_t* buffer,
                  const layout::BufferLayout& layout, float activation_clamp, int* recv_stats, float* scratch,
                  cudaStream_t stream) {
-  allow_dynamic_smem<fp4_gemv_l1_kernel<kFast, kFP4Act, kNV>>(heuristics::kFp4GemvSmemLimit);
-  launch_pdl(fp4_gemv_l1_kernel<kFast, kFP4Act, kNV>, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout,
+  allow_dynamic_smem<fp4_gemv_l1_kernel<kFast, kFP4Act, kNV, kFP8Mma>>(heuristics::kFp4GemvSmemLimit);
+  launch_pdl(fp4_gemv_l1_kernel<kFast, kFP4Act, kNV, kFP8Mma>, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout,
              activation_clamp, recv_stats, scratch);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
-  allow_dynamic_smem<fp4_gemv_l2_kernel<kFP4Act, kNV>>(heuristics::kFp4GemvSmemLimit);
-  launch_pdl(fp4_gemv_l2_kernel<kFP4Act, kNV>, g2, dim3(kGemvThreads), smem2, stream, p2, buffer, layout,
+  allow_dynamic_smem<fp4_gemv_l2_kernel<kFP4Act, kNV, kFP8Mma>>(heuristics::kFp4GemvSmemLimit);
+  launch_pdl(fp4_gemv_l2_kernel<kFP4Act, kNV, kFP8Mma>, g2, dim3(kGemvThreads), smem2, stream, p2, buffer, layout,
              static_cast<const float*>(scratch));
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -602,13 +715,19 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
   const dim3 g1(std::min(num_sms, p1.items * top_k)), g2(std::min(num_sms, p2.items * top_k));
   const int smem1 = heuristics::fp4_gemv_smem_bytes(hidden, sb, hidden / 32, l1_stages);
   const int smem2 = heuristics::fp4_gemv_smem_bytes(inter, sb, top_k * (inter / 32), l2_stages);
-  using Launch = decltype(&launch_gemv<false, false, false>);
-  static constexpr Launch kLaunch[2][2][2] = {  // [fast_math][act_fp4][nv]
-      {{launch_gemv<false, false, false>, launch_gemv<false, false, true>},
-       {launch_gemv<false, true, false>, launch_gemv<false, true, true>}},
-      {{launch_gemv<true, false, false>, launch_gemv<true, false, true>},
-       {launch_gemv<true, true, false>, launch_gemv<true, true, true>}}};
-  kLaunch[fast_math][layout.act_fp4][nv](p1, p2, g1, g2, smem1, smem2, buffer, layout, activation_clamp, recv_stats,
+  using Launch = decltype(&launch_gemv<false, false, false, false>);
+  // [fast_math][act_fp4][form: MXFP4 on BF16 MMAs, NVFP4, MXFP4 on FP8 MMAs (heuristics::fp4_gemv_fp8_mma)]
+  static constexpr Launch kLaunch[2][2][3] = {
+      {{launch_gemv<false, false, false, false>, launch_gemv<false, false, true, false>,
+        launch_gemv<false, false, false, true>},
+       {launch_gemv<false, true, false, false>, launch_gemv<false, true, true, false>,
+        launch_gemv<false, true, false, true>}},
+      {{launch_gemv<true, false, false, false>, launch_gemv<true, false, true, false>,
+        launch_gemv<true, false, false, true>},
+       {launch_gemv<true, true, false, false>, launch_gemv<true, true, true, false>,
+        launch_gemv<true, true, false, true>}}};
+  const int form = nv ? 1 : heuristics::fp4_gemv_fp8_mma() ? 2 : 0;
+  kLaunch[fast_math][layout.act_fp4][form](p1, p2, g1, g2, smem1, smem2, buffer, layout, activation_clamp, recv_stats,
                                          scratch, stream);
 }
 
