@@ -72,16 +72,6 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The FP8 form (MXFP4 weights, heuristics::fp4_gemv_fp8_mma): A rows g and g + 8 (registers 0 / 2 and 1 / 3) hold
-// columns 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 (t = lane % 4), B column g columns' K likewise (b0, b1).
-__device__ __forceinline__ void mma_m16n8k32_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Weight scale byte s of a row whose largest is e -> the bf16 pair factor 2^(s - e + 126), which turns e2m1x2_raw's
 // e2m1 x 2^-126 into e2m1 x 2^(s - e) (exact: at most 6, and normal for s - e >= -125). The row's 2^(e - 127)
 // multiplies its sums after the K (consume_tile's caller), so every scale byte is exact, as on the FP8-wgmma path;
@@ -219,10 +209,12 @@ __device__ __forceinline__ void convert_token(uint32_t* dst, const uint8_t* x, c
   }
 }
 
-// The FP8 form's token: blocks [0, blocks) (E4M3 bytes `x` [32 blk ..], or with kFP4Act E2M1 `x` [16 blk ..]; UE8M0
+// The wgmma form's token: blocks [0, blocks) (E4M3 bytes `x` [32 blk ..], or with kFP4Act E2M1 `x` [16 blk ..]; UE8M0
 // `x_sf` [blk]) folded per 128-K group as the FP8-wgmma walk folds them (fold_quarter_word, fold_e2m1_quarter: block j
-// x 2^-(T - t_j), T the group's largest scale) into E4M3 bytes in K order at dst (8 words a block), and 2^(T - 127)
-// into factors[group], by the consumer warps: a lane a block, the four lanes of a group side by side (blocks % 4 == 0).
+// x 2^-(T - t_j), T the group's largest scale) into E4M3 bytes at dst, and 2^(T - 127) into factors[group], by the
+// consumer warps: a lane a block, the four lanes q of a group side by side (blocks % 4 == 0). The bytes are in the
+// wgmma K order, 32 a k32 step: step st of group g at 32 (4g + st), its byte 4q + i = K 32q + 8st + i of the group and
+// byte 16 + 4q + i = K 32q + 8st + 4 + i, as the weights' decode (decode_weights_e4m3's fold) orders lane q's block.
 template <bool kFP4Act>
 __device__ __forceinline__ void fold_token(uint32_t* dst, float* factors, const uint2* tables, const uint8_t* x,
                                            const uint8_t* x_sf, int blocks) {
@@ -246,10 +238,11 @@ __device__ __forceinline__ void fold_token(uint32_t* dst, float* factors, const 
 #pragma unroll
       for (int i = 0; i < 8; ++i) w[i] = fold_quarter_word(v[i], d);
     }
-    uint4* out = reinterpret_cast<uint4*>(dst + blk * 8);
-    out[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    out[1] = make_uint4(w[4], w[5], w[6], w[7]);
-    if (lane % 4 == 0) factors[blk / 4] = ue8m0_float(tmax);
+    const int q = blk % 4;
+    uint32_t* group = dst + (blk / 4) * 32;  // 128 bytes a group
+#pragma unroll
+    for (int st = 0; st < 4; ++st) group[8 * st + q] = w[2 * st], group[8 * st + 4 + q] = w[2 * st + 1];
+    if (q == 0) factors[blk / 4] = ue8m0_float(tmax);
   }
 }
 
@@ -414,62 +407,15 @@ __device__ __forceinline__ void consume_tile(float (&acc)[4], uint32_t& ea, uint
   }
 }
 
-// The FP8 form of consume_tile (MXFP4 weights): lane q's 32-K block of rows rr and rr + 8 decoded to E4M3 relative to
-// each row's largest scale (decode_weights_e4m3's fold: e2m1 x 2^(s - e + 6)), the token's folded bytes of the same K
-// as B (lanes 0-3; k32 step st takes K 8st .. 8st + 7 of each lane's block: A columns 4q .. and 16 + 4q .. of the
-// step), four MMAs a 128-K group into a fresh sum, then acc += sum x the group's token factor. The caller multiplies
-// by 2^(e - 127 - 6).
-__device__ __forceinline__ void consume_tile_e4m3(float (&acc)[4], uint32_t& ea, uint32_t& eb, const uint8_t* tile,
-                                                  const uint32_t* token, const float* token_f, const uint32_t* zeros,
-                                                  const uint2* tables, bool scale_tiles, int k, int g_begin, int g_end,
-                                                  int lane) {
-  const int q = lane % 4, rr = lane / 4, kb = k / 32, row_bytes = k / 2;
-  const uint8_t* sf = tile + kFp4GemvTileRows * row_bytes;
-  ea = sf[kFp4GemvTileRows * kb + rr];
-  eb = sf[kFp4GemvTileRows * kb + rr + 8];
-  const int sf_row = (scale_tiles ? rr * kScaleTileBytes : rr * kb) + q;
-  const int sf_row8 = scale_tiles ? 8 * kScaleTileBytes : 8 * kb;
-  const uint32_t* token_lane = lane < 4 ? token + q * 8 : zeros;  // 8 words a block, 32 a group
-  const int token_step = lane < 4 ? 32 : 0;
-  for (int g = g_begin; g < g_end; ++g) {
-    const int blk = 4 * g + q;
-    const uint4 wra = *reinterpret_cast<const uint4*>(tile + rr * row_bytes + blk * 16);
-    const uint4 wrb = *reinterpret_cast<const uint4*>(tile + (rr + 8) * row_bytes + blk * 16);
-    const uint32_t ug = static_cast<uint32_t>(g);
-    const int ia = sf_row + static_cast<int>(scale_tiles ? ((ug >> 2) << 8) | ((ug & 3) << 2) : 4 * ug);
-    // A scale above its row's largest (never written by transform_weights) reads the all-zero last table.
-    const uint2 ta = tables[min(ea - sf[ia], uint32_t(kNumFoldTables - 1))];
-    const uint2 tb = tables[min(eb - sf[ia + sf_row8], uint32_t(kNumFoldTables - 1))];
-    const uint4* t = reinterpret_cast<const uint4*>(token_lane + g * token_step);
-    const uint4 t0 = t[0], t1 = t[1];
-    const uint32_t b[8] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z, t1.w};
-    const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};
-    float sum[4] = {};
-#pragma unroll
-    for (int st = 0; st < 4; ++st) {
-      uint32_t a[4];
-      e2m1x8_to_e4m3(wa[st], ta, a[0], a[2]);
-      e2m1x8_to_e4m3(wb[st], tb, a[1], a[3]);
-      mma_m16n8k32_e4m3(sum, a, b[2 * st], b[2 * st + 1]);
-    }
-    const float f = token_f[g];
-    acc[0] = fmaf(sum[0], f, acc[0]);
-    acc[2] = fmaf(sum[2], f, acc[2]);
-  }
-}
-
 // Consumer warps: every item of the CTA whose slot holds a valid id, in the producer's order: its four tiles, each
 // row's sums times 2^(e - 127) (its largest scale byte e; 255: NaN, as on the FP8-wgmma path) into part[parity][warp]
 // for the epilogue warp (epilogue_items). The token of slot j is B fragments at token + j x token_words.
 // NOTES: the first consumer warp ran each item's epilogue after a barrier of all 16, so every item waited for it (and
 // for the slowest warp) before the next; the consumers now only hand the sums over (part_full / part_free), up to two
 // items ahead of the epilogue warp.
-// The FP8 form (kFP8Mma): the token of slot j is folded bytes at token + j x token_words and its group factors at
-// token_f + j x token_words / 32; the rows' factor is 2^(e - 127 - kFoldHeadroom).
-template <bool kNV, bool kFP4Act, bool kFP8Mma, typename RowsOf>
+template <bool kNV, bool kFP4Act, typename RowsOf>
 __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
-                                        int token_words, const float* token_f, RowsOf rows_of) {
-  static_assert(!(kNV && kFP8Mma), "the FP8 form takes MXFP4 weights");
+                                        int token_words, RowsOf rows_of) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int groups = p.k / 128, g_begin = warp * groups / kGemvWarps, g_end = (warp + 1) * groups / kGemvWarps;
   const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k, kNV ? 16 : 32);
@@ -484,12 +430,8 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       ptx::mbarrier_wait(&s.full[stage], phase);
-      if constexpr (kFP8Mma)
-        consume_tile_e4m3(acc[m], ea[m], eb[m], s.ring + stage * stage_bytes, token, token_f + slot * (token_words / 32),
-                          s.zeros, s.tables, p.w.scale_tiles, p.k, g_begin, g_end, lane);
-      else
-        consume_tile<kNV>(acc[m], ea[m], eb[m], s.ring + stage * stage_bytes, token, s.zeros, p.w.scale_tiles, p.k,
-                          g_begin, g_end, lane);
+      consume_tile<kNV>(acc[m], ea[m], eb[m], s.ring + stage * stage_bytes, token, s.zeros, p.w.scale_tiles, p.k, g_begin,
+                   g_end, lane);
       // Every lane arrives on empty: racecheck does not order the other lanes' loads of the stage before one lane's
       // arrive after __syncwarp (it reported the producer's next bulk copy into the stage once the ring wrapped).
       ptx::mbarrier_arrive(&s.empty[stage]);
@@ -498,15 +440,94 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
     // The epilogue warp has read item n - 2's sums from part[parity] (phase (n - 2) / 2; before: the previous phase).
     ptx::mbarrier_wait(&s.part_free[parity], ((n >> 1) & 1) ^ 1);
     if (lane % 4 == 0) {
-      // 2^-kFoldHeadroom x 2^(e - 127): exact (a subnormal power of two from e < 7 on)
-      const auto row_factor = [](uint32_t e) { return kFP8Mma ? ue8m0_float(e) * 0x1p-6f : ue8m0_float(e); };
-      static_assert(kFoldHeadroom == 6, "row_factor's 2^-6");
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        s.part[parity][warp][16 * m + lane / 4] = acc[m][0] * (kNV ? global : row_factor(ea[m]));
-        s.part[parity][warp][16 * m + lane / 4 + 8] = acc[m][2] * (kNV ? global : row_factor(eb[m]));
+        s.part[parity][warp][16 * m + lane / 4] = acc[m][0] * (kNV ? global : ue8m0_float(ea[m]));
+        s.part[parity][warp][16 * m + lane / 4 + 8] = acc[m][2] * (kNV ? global : ue8m0_float(eb[m]));
       }
       // Each writing lane arrives itself: racecheck does not order other lanes' stores before one lane's arrive.
+      ptx::mbarrier_arrive(&s.part_full[parity]);
+    }
+    parity ^= 1, ++n;
+  });
+}
+
+// The wgmma form of the consumers (MXFP4 weights; heuristics::fp4_gemv_fp8_mma): warp w takes tile w % 4 of every item
+// (rows 16 (w % 4) .. of its 64: the warp's rows of an m64 wgmma) over the 128-K groups of warpgroup w / 4 (a quarter
+// of K). Each lane decodes its 32-K block of rows rr and rr + 8 to E4M3 relative to each row's largest scale
+// (e2m1 x 2^(s - e + kFoldHeadroom), the fold tables, as the FP8-wgmma walk's decode_weights_e4m3) straight into the
+// A fragments of the group's four k32 steps; B is the folded token in shared memory (fold_token: a K-major operand
+// without swizzle whose row 0 is the token's 32 bytes of the step and whose core matrices lie 16 bytes apart, so rows
+// 1-7, the columns 1-7 of the product, read the bytes that follow: ignored). The group's sum times its token factor
+// adds to the row's float32 sum; after the item's K, 2^(e - 127 - kFoldHeadroom) per row, into part[parity][w / 4]
+// for the epilogue warp (4 partial sums a row). The stages of an item's four tiles are in the ring together (the
+// warpgroups' wgmmas take all four): stages >= 4 (launch_fp4_gemv).
+// Why: the BF16 form decodes ~2.2 instructions a weight (mma.sync has no native E4M3 on sm_90: ptxas unpacks to F16);
+// the PRMT fold to E4M3 is 1.25, and wgmma takes E4M3 from registers.
+__device__ __forceinline__ void consume_wgmma(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
+                                              int token_bytes, const float* token_f) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, m = warp % 4;
+  const int q = lane % 4, rr = lane / 4, kb = p.k / 32, row_bytes = p.k / 2;
+  const int groups = p.k / 128, g_begin = wg * groups / 4, g_end = (wg + 1) * groups / 4;
+  const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k, 32);
+  const bool scale_tiles = p.w.scale_tiles;
+  const int sf_row = (scale_tiles ? rr * kScaleTileBytes : rr * kb) + q;
+  const int sf_row8 = scale_tiles ? 8 * kScaleTileBytes : 8 * kb;
+  const uint8_t* token8 = reinterpret_cast<const uint8_t*>(s.token);
+  int tile = m, parity = 0, n = 0;  // tile: this warp's tiles in ring order (4 an item)
+  for_each_item(p, ids, num_experts, [&](int slot, int, int) {
+    const int stage = tile % p.stages;
+    const uint32_t phase = (tile / p.stages) & 1;
+    tile += 4;
+    const uint8_t* stile = s.ring + stage * stage_bytes;
+    const uint8_t* sf = stile + kFp4GemvTileRows * row_bytes;
+    // B of group g, step st: the token's 32 bytes at 32 (4g + st) (lo + 8g + 2st); core matrices 16 bytes apart
+    const uint32_t desc_lo = ptx::smem_desc_noswizzle_lo(token8 + slot * token_bytes, 16);
+    const float* factors = token_f + slot * (token_bytes / 128);
+    ptx::mbarrier_wait(&s.full[stage], phase);
+    const uint32_t ea = sf[kFp4GemvTileRows * kb + rr], eb = sf[kFp4GemvTileRows * kb + rr + 8];
+    float acc0 = 0.0f, acc2 = 0.0f;  // column 0 of rows rr and rr + 8 (lanes q = 0)
+    for (int g = g_begin; g < g_end; ++g) {
+      const int blk = 4 * g + q;
+      const uint4 wra = *reinterpret_cast<const uint4*>(stile + rr * row_bytes + blk * 16);
+      const uint4 wrb = *reinterpret_cast<const uint4*>(stile + (rr + 8) * row_bytes + blk * 16);
+      const uint32_t ug = static_cast<uint32_t>(g);
+      const int ia = sf_row + static_cast<int>(scale_tiles ? ((ug >> 2) << 8) | ((ug & 3) << 2) : 4 * ug);
+      // A scale above its row's largest (never written by transform_weights) reads the all-zero last table.
+      const uint2 ta = s.tables[min(ea - sf[ia], uint32_t(kNumFoldTables - 1))];
+      const uint2 tb = s.tables[min(eb - sf[ia + sf_row8], uint32_t(kNumFoldTables - 1))];
+      const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};
+      uint32_t a8[4][4];
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        e2m1x8_to_e4m3(wa[st], ta, a8[st][0], a8[st][2]);
+        e2m1x8_to_e4m3(wb[st], tb, a8[st][1], a8[st][3]);
+      }
+      float sum[4] = {};
+#pragma unroll
+      for (int st = 0; st < 4; ++st)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[st][r]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) ptx::fence_operand(sum[r]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int st = 0; st < 4; ++st)
+        ptx::WgmmaFP8RS<8>::run(sum, a8[st], ptx::smem_desc_noswizzle(desc_lo + 8 * g + 2 * st, 128), st > 0);
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int r = 0; r < 4; ++r) ptx::fence_operand(sum[r]);
+      const float f = factors[g];
+      acc0 = fmaf(sum[0], f, acc0);
+      acc2 = fmaf(sum[2], f, acc2);
+    }
+    ptx::mbarrier_arrive(&s.empty[stage]);  // every lane of the tile's four warps (racecheck)
+    ptx::mbarrier_wait(&s.part_free[parity], ((n >> 1) & 1) ^ 1);
+    if (q == 0) {
+      static_assert(kFoldHeadroom == 6, "the rows' 2^-6");
+      s.part[parity][wg][16 * m + rr] = acc0 * (ue8m0_float(ea) * 0x1p-6f);
+      s.part[parity][wg][16 * m + rr + 8] = acc2 * (ue8m0_float(eb) * 0x1p-6f);
       ptx::mbarrier_arrive(&s.part_full[parity]);
     }
     parity ^= 1, ++n;
@@ -528,19 +549,22 @@ __device__ __forceinline__ void epilogue_items(const GemvSmem& s, const GemvPass
   });
 }
 
+// Row i's sum over the consumers' kParts partial sums (the BF16 form: a warp each; the wgmma form: a warpgroup each).
+template <int kParts>
 __device__ __forceinline__ float warps_sum(const float (&part)[kGemvWarps][kGemvRows], int i) {
   float s = part[0][i];
 #pragma unroll
-  for (int w = 1; w < kGemvWarps; ++w) s += part[w][i];
+  for (int w = 1; w < kParts; ++w) s += part[w][i];
   return s;
 }
 
 // The ring's barriers, and the slots' ids into shared memory (pre_dispatch wrote them: read after its grid ended).
-__device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const int* ids, int slots) {
+// readers: the consumer warps that read each stage (every lane arrives on empty): all (BF16 form) or 4 (wgmma form).
+__device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const int* ids, int slots, int readers) {
   if (threadIdx.x == 0) {
-    for (int i = 0; i < stages; ++i) {  // empty: every consumer lane arrives
+    for (int i = 0; i < stages; ++i) {
       ptx::mbarrier_init(&s.full[i], 1);
-      ptx::mbarrier_init(&s.empty[i], 32 * kGemvWarps);
+      ptx::mbarrier_init(&s.empty[i], 32 * readers);
     }
     for (int b = 0; b < 2; ++b) {  // part_full: the 8 lanes of each consumer warp that write sums; part_free: 32 lanes
       ptx::mbarrier_init(&s.part_full[b], kGemvWarps * 8);
@@ -566,7 +590,8 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
   const GemvSmem s = carve(smem, hidden / 32);
   ptx::grid_dependency_wait();  // pre_dispatch's token, ids and weights
   ptx::launch_dependents();
-  init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), p.slots);  // token 0's slots
+  init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), p.slots,  // token 0's slots
+            kFP8Mma ? 4 : kGemvWarps);
   const int* ids = s.ids;
   const int num_experts = static_cast<int>(l.num_experts);
   auto rows_of = [](int ob, int (&r0)[4]) {
@@ -576,8 +601,9 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
   const float* weights = reinterpret_cast<const float*>(buffer + l.topk_weights_offset);
   auto epilogue = [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int ob, int lane) {
     const int blocks = inter / kL1Outputs;
-    const float g = __bfloat162float(__float2bfloat16_rn(warps_sum(part, lane)));
-    const float u = __bfloat162float(__float2bfloat16_rn(warps_sum(part, kL1Outputs + lane)));
+    constexpr int kParts = kFP8Mma ? 4 : kGemvWarps;
+    const float g = __bfloat162float(__float2bfloat16_rn(warps_sum<kParts>(part, lane)));
+    const float u = __bfloat162float(__float2bfloat16_rn(warps_sum<kParts>(part, kL1Outputs + lane)));
     const float a = swiglu_value<kFast>(g, u, __ldcg(weights + slot), clamp);
     const float amax = warp_reduce_max<32>(fabsf(a));
     if constexpr (kNV && kFP4Act) {  // NVFP4's global scale spans the whole row: L2 quantizes (quantize_tokens_nvfp4)
@@ -611,17 +637,22 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
     if ((id < 0 || id >= num_experts) && id != -1) record_error(buffer, l, layout::kErrorExpertId, id, 0, slot);
     if (id >= 0 && id < num_experts && recv_stats != nullptr) atomicAdd(recv_stats + id, 1);  // slots counted
   }
-  float* token_f = reinterpret_cast<float*>(s.token + 8 * (hidden / 32));  // the FP8 form's group factors
-  if constexpr (kFP8Mma)
+  float* token_f = reinterpret_cast<float*>(s.token + 8 * (hidden / 32));  // the wgmma form's group factors
+  if constexpr (kFP8Mma) {
     fold_token<kFP4Act>(s.token, token_f, s.tables, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
-  else
+    ptx::fence_proxy_async_shared();  // the wgmmas read the token through the async proxy
+  } else {
     convert_token<kFP4Act, kNV>(s.token, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
+  }
   if constexpr (kNV && kFP4Act) {  // every slot's token is token 0
     const float gt = __ldcg(reinterpret_cast<const float*>(buffer + l.x_global_sf_offset));
     for (int slot = threadIdx.x; slot < p.slots; slot += 32 * kGemvWarps) s.token_g[slot] = gt;
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
-  consume<kNV, kFP4Act, kFP8Mma>(s, p, ids, num_experts, 0, token_f, rows_of);
+  if constexpr (kFP8Mma)
+    consume_wgmma(s, p, ids, num_experts, 0, token_f);
+  else
+    consume<kNV, kFP4Act>(s, p, ids, num_experts, 0, rows_of);
 }
 
 // L2: item rb of a slot = weight rows [64 rb, 64 rb + 64) -> bf16 of the slot's combine row.
@@ -632,10 +663,10 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
   const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);
   const int top_k = p.slots;
   const GemvSmem s = carve(smem, top_k * (inter / 32));
-  float* token_f = reinterpret_cast<float*>(s.token + 8 * top_k * (inter / 32));  // the FP8 form's group factors
+  float* token_f = reinterpret_cast<float*>(s.token + 8 * top_k * (inter / 32));  // the wgmma form's group factors
   // The ids before the dependency wait: pre_dispatch wrote them, and L1 triggered this grid only after its own wait for
   // pre_dispatch (every kernel of the chain triggers after its wait; see combine_kernel).
-  init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), top_k);
+  init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), top_k, kFP8Mma ? 4 : kGemvWarps);
   const int* ids = s.ids;
   const int num_experts = static_cast<int>(l.num_experts);
   auto rows_of = [](int rb, int (&r0)[4]) {
@@ -655,7 +686,8 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
     epilogue_items(s, p, ids, num_experts, [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int rb, int lane) {
 #pragma unroll
       for (int r = lane; r < kGemvRows; r += 32)
-        out[int64_t(slot) * hidden + rb * kGemvRows + r] = __float2bfloat16_rn(warps_sum(part, r));
+        out[int64_t(slot) * hidden + rb * kGemvRows + r] =
+            __float2bfloat16_rn(warps_sum<kFP8Mma ? 4 : kGemvWarps>(part, r));
     });
     return;
   }
@@ -667,28 +699,36 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
     // NOTES (H100, 2026-11-27, forty-fifth session): slot by slot, the first I / 32 threads took top_k round trips to
     // the L2 cache in turn while the other warps waited at the barrier below (ncu, V4-Flash T=1: ~40 % of L2's warp
     // samples on it); in one pass the call takes 0.95-0.98x the time for w4a8 and MXFP4 w4a4 at T=1.
-    if constexpr (kFP8Mma)
+    if constexpr (kFP8Mma) {
       fold_token<kFP4Act>(s.token, token_f, s.tables, buffer + l.pool_offset, buffer + l.pool_sf_offset,
                           top_k * (inter / 32));
-    else
+      ptx::fence_proxy_async_shared();
+    } else {
       convert_token<kFP4Act, kNV>(s.token, buffer + l.pool_offset, buffer + l.pool_sf_offset, top_k * (inter / 32));
+    }
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
-  consume<kNV, kFP4Act, kFP8Mma>(s, p, ids, num_experts, (inter / 32) * (kFP8Mma ? 8 : 16), token_f, rows_of);
+  if constexpr (kFP8Mma)
+    consume_wgmma(s, p, ids, num_experts, inter, token_f);
+  else
+    consume<kNV, kFP4Act>(s, p, ids, num_experts, (inter / 32) * 16, rows_of);
 }
 
-// L1 then L2, each a persistent grid with its ring's dynamic shared memory.
+// L1 and L2, each a persistent grid with its ring's dynamic shared memory (launch_fp4_gemv launches L1 then L2).
 template <bool kFast, bool kFP4Act, bool kNV, bool kFP8Mma>
-void launch_gemv(const GemvPass& p1, const GemvPass& p2, dim3 g1, dim3 g2, int smem1, int smem2, uint8_t* buffer,
-                 const layout::BufferLayout& layout, float activation_clamp, int* recv_stats, float* scratch,
-                 cudaStream_t stream) {
+void launch_l1(const GemvPass& p, dim3 grid, int smem, uint8_t* buffer, const layout::BufferLayout& layout,
+               float activation_clamp, int* recv_stats, float* scratch, cudaStream_t stream) {
   allow_dynamic_smem<fp4_gemv_l1_kernel<kFast, kFP4Act, kNV, kFP8Mma>>(heuristics::kFp4GemvSmemLimit);
-  launch_pdl(fp4_gemv_l1_kernel<kFast, kFP4Act, kNV, kFP8Mma>, g1, dim3(kGemvThreads), smem1, stream, p1, buffer, layout,
-             activation_clamp, recv_stats, scratch);
+  launch_pdl(fp4_gemv_l1_kernel<kFast, kFP4Act, kNV, kFP8Mma>, grid, dim3(kGemvThreads), smem, stream, p, buffer,
+             layout, activation_clamp, recv_stats, scratch);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
+}
+template <bool kFP4Act, bool kNV, bool kFP8Mma>
+void launch_l2(const GemvPass& p, dim3 grid, int smem, uint8_t* buffer, const layout::BufferLayout& layout,
+               const float* scratch, cudaStream_t stream) {
   allow_dynamic_smem<fp4_gemv_l2_kernel<kFP4Act, kNV, kFP8Mma>>(heuristics::kFp4GemvSmemLimit);
-  launch_pdl(fp4_gemv_l2_kernel<kFP4Act, kNV, kFP8Mma>, g2, dim3(kGemvThreads), smem2, stream, p2, buffer, layout,
-             static_cast<const float*>(scratch));
+  launch_pdl(fp4_gemv_l2_kernel<kFP4Act, kNV, kFP8Mma>, grid, dim3(kGemvThreads), smem, stream, p, buffer, layout,
+             scratch);
   MEGAMOE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -715,20 +755,22 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
   const dim3 g1(std::min(num_sms, p1.items * top_k)), g2(std::min(num_sms, p2.items * top_k));
   const int smem1 = heuristics::fp4_gemv_smem_bytes(hidden, sb, hidden / 32, l1_stages);
   const int smem2 = heuristics::fp4_gemv_smem_bytes(inter, sb, top_k * (inter / 32), l2_stages);
-  using Launch = decltype(&launch_gemv<false, false, false, false>);
-  // [fast_math][act_fp4][form: MXFP4 on BF16 MMAs, NVFP4, MXFP4 on FP8 MMAs (heuristics::fp4_gemv_fp8_mma)]
-  static constexpr Launch kLaunch[2][2][3] = {
-      {{launch_gemv<false, false, false, false>, launch_gemv<false, false, true, false>,
-        launch_gemv<false, false, false, true>},
-       {launch_gemv<false, true, false, false>, launch_gemv<false, true, true, false>,
-        launch_gemv<false, true, false, true>}},
-      {{launch_gemv<true, false, false, false>, launch_gemv<true, false, true, false>,
-        launch_gemv<true, false, false, true>},
-       {launch_gemv<true, true, false, false>, launch_gemv<true, true, true, false>,
-        launch_gemv<true, true, false, true>}}};
-  const int form = nv ? 1 : heuristics::fp4_gemv_fp8_mma() ? 2 : 0;
-  kLaunch[fast_math][layout.act_fp4][form](p1, p2, g1, g2, smem1, smem2, buffer, layout, activation_clamp, recv_stats,
-                                         scratch, stream);
+  // Forms: MXFP4 on BF16 mma.sync, NVFP4, MXFP4 on FP8 wgmmas (heuristics::fp4_gemv_fp8_mma; each layer whose ring holds
+  // an item's four tiles at once: consume_wgmma).
+  const bool wgmma = !nv && heuristics::fp4_gemv_fp8_mma();
+  const int form1 = nv ? 1 : wgmma && l1_stages >= 4 ? 2 : 0, form2 = nv ? 1 : wgmma && l2_stages >= 4 ? 2 : 0;
+  using L1 = decltype(&launch_l1<false, false, false, false>);
+  static constexpr L1 kL1[2][2][3] = {  // [fast_math][act_fp4][form]
+      {{launch_l1<false, false, false, false>, launch_l1<false, false, true, false>, launch_l1<false, false, false, true>},
+       {launch_l1<false, true, false, false>, launch_l1<false, true, true, false>, launch_l1<false, true, false, true>}},
+      {{launch_l1<true, false, false, false>, launch_l1<true, false, true, false>, launch_l1<true, false, false, true>},
+       {launch_l1<true, true, false, false>, launch_l1<true, true, true, false>, launch_l1<true, true, false, true>}}};
+  using L2 = decltype(&launch_l2<false, false, false>);
+  static constexpr L2 kL2[2][3] = {  // [act_fp4][form]
+      {launch_l2<false, false, false>, launch_l2<false, true, false>, launch_l2<false, false, true>},
+      {launch_l2<true, false, false>, launch_l2<true, true, false>, launch_l2<true, false, true>}};
+  kL1[fast_math][layout.act_fp4][form1](p1, g1, smem1, buffer, layout, activation_clamp, recv_stats, scratch, stream);
+  kL2[layout.act_fp4][form2](p2, g2, smem2, buffer, layout, static_cast<const float*>(scratch), stream);
 }
 
 }  // namespace megamoe::kernels

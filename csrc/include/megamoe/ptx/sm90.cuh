@@ -190,6 +190,16 @@ __device__ __forceinline__ uint32_t smem_desc_sw128_lo(const void* p) {
 __device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t lo) { return (uint64_t(kSmemDescSw128Hi) << 32) | lo; }
 __device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* p) { return smem_desc_sw128(smem_desc_sw128_lo(p)); }
 
+// Descriptor of a K-major operand without swizzle: core matrices of 8 rows x 16 bytes (rows 16 bytes apart), `lbo`
+// bytes apart along K and `sbo` bytes apart along M / N (layout type 0).
+// Split as smem_desc_sw128: the low half (start address, lbo) advances by bytes / 16 along the operand.
+__device__ __forceinline__ uint32_t smem_desc_noswizzle_lo(const void* p, uint32_t lbo) {
+  return (((lbo >> 4) & 0x3FFF) << 16) | ((smem_addr(p) & 0x3FFFF) >> 4);
+}
+__device__ __forceinline__ uint64_t smem_desc_noswizzle(uint32_t lo, uint32_t sbo) {
+  return (uint64_t((sbo >> 4) & 0x3FFF) << 32) | lo;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int kPending>
@@ -396,6 +406,17 @@ struct WgmmaBF16RS<64> {
 // (row + 8, cols + 16). B: K-major 128B-swizzled smem descriptor.
 template <int N>
 struct WgmmaFP8RS;
+
+template <>
+struct WgmmaFP8RS<8> {  // the FP4 GEMV: one token column (columns 1-7 read whatever follows it, ignored)
+  static constexpr int kNumRegs = 4;
+  __device__ __forceinline__ static void run(float* d, const uint32_t* a, uint64_t desc_b, bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\nwgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));
+  }
+};
 
 template <>
 struct WgmmaFP8RS<16> {
