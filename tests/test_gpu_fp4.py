@@ -1081,22 +1081,23 @@ def test_fp4_gemv_item_runs_same_bits(weight_format, act_format, monkeypatch):
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
 @pytest.mark.parametrize("shape", [(16, 1024, 512, 4), (24, 640, 896, 6)], ids=["scale-tiles", "odd"])
 def test_fp4_gemv_mxfp4_wgmma_and_bf16_forms(shape, act_format, monkeypatch):
-    """MXFP4 on the GEMV's two forms (MEGAMOE_FP4_GEMV_FP8MMA=1 / 0): FP8 wgmmas on weights and tokens folded to E4M3
-    (the default where a layer's ring holds an item's four tiles; these shapes' do) and BF16 mma.sync on exact products:
-    each against the reference and bitwise run to run (poisoned outputs), and within the tolerance of each other. The
-    odd shape gives warpgroups one or two of its 5 / 7 groups of 128 K."""
+    """MXFP4 on the GEMV's two forms, by layer (MEGAMOE_FP4_GEMV_FP8MMA, bit 0 L1, bit 1 L2): FP8 wgmmas on weights and
+    tokens folded to E4M3 (where a layer's ring holds an item's four tiles; these shapes' do) and BF16 mma.sync on
+    exact products: each setting against the reference and bitwise run to run (poisoned outputs), and within the
+    tolerance of the BF16 form. The odd shape gives warpgroups one or two of its 5 / 7 groups of 128 K."""
     e, h, i, k = shape
     case = make_case(e, h, i, k, 1, "mxfp4", act_format, device="cuda", masked_fraction=0.0, seed=818 + h)
     monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
     outs = {}
-    for form in "10":
-        monkeypatch.setenv("MEGAMOE_FP4_GEMV_FP8MMA", form)
+    for forms in "0123":
+        monkeypatch.setenv("MEGAMOE_FP4_GEMV_FP8MMA", forms)
         y, routed = run_marked(case)
         assert not routed
         assert rel_err(y, case.reference()) <= TOL
         assert torch.equal(run_poisoned(case), y)
-        outs[form] = y
-    assert rel_err(outs["1"], outs["0"]) <= TOL
+        outs[forms] = y
+    for forms in "123":
+        assert rel_err(outs[forms], outs["0"]) <= TOL
 
 
 @pytest.mark.parametrize("scale_byte", [161, 200, 255])

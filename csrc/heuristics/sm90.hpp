@@ -322,16 +322,18 @@ inline int fp4_gemv_runs(bool nvfp4_tokens) {
   return nvfp4_tokens ? 2 : 0;
 }
 
-// The GEMV's MXFP4 weights on FP8 mma.sync (m16n8k32 E4M3) instead of the BF16 decode: each weight folded to E4M3
-// relative to its row's largest scale (the fold tables, as the FP8-wgmma walk), the token folded per 128-K group (one
-// factor 2^(T - 127) a group), the group's four k32 MMAs summed in float32 by the group's factor: ~105 instructions a
-// 128-K group and lane against ~190, half the MMAs. The walk's FP8-wgmma roundings (weights exact within 14 binades of
-// their row's largest scale, tokens rounded more than 17 binades below their group's), not the BF16 form's exact
-// products. MEGAMOE_FP4_GEMV_FP8MMA=0 / =1 (read per call) forces the BF16 / FP8 form.
-inline bool fp4_gemv_fp8_mma() {
+// Which GEMV layers take MXFP4 weights on FP8 wgmmas (bit 0: L1, bit 1: L2; sm90_fp4_gemv.cu, consume_wgmma) instead
+// of the BF16 decode on mma.sync: each weight folded to E4M3 relative to its row's largest scale (the fold tables, as
+// the FP8-wgmma walk), the token folded per 128-K group (one factor 2^(T - 127) a group), four m64n8k32 wgmmas a
+// group: ~135 instructions a 128-K group and lane against ~180 (mma.sync has no native E4M3 on sm_90: ptxas unpacks to
+// F16). The walk's FP8-wgmma roundings (weights exact within 14 binades of their row's largest scale, tokens rounded
+// more than 17 binades below their group's largest), not the BF16 form's exact products. A layer takes it only where
+// its ring holds an item's four tiles (stages >= 4: the warpgroups' wgmmas span them).
+// MEGAMOE_FP4_GEMV_FP8MMA (read per call: 0-3) overrides.
+inline int fp4_gemv_fp8_mma() {
   const char* env = std::getenv("MEGAMOE_FP4_GEMV_FP8MMA");
-  if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return true;
+  if (env != nullptr && env[0] >= '0' && env[0] <= '3') return env[0] - '0';
+  return 2;
 }
 
 // FP8-wgmma path (MXFP4 weights) with FP8 tokens: the gather folds L1's tokens per 128-K group (one factor each) as it

@@ -30,6 +30,8 @@
 // below the row's largest (the FP8-wgmma walk: up to 14, rounded past that). Not the default walk's FP8 wgmmas on
 // folded values: other roundings (within the tolerance of the reference, not bitwise), hence one rank only (EP's ranks
 // must round alike whatever their token counts).
+// MXFP4 layers whose ring holds an item's four tiles may run on FP8 wgmmas instead (heuristics::fp4_gemv_fp8_mma,
+// consume_wgmma): weights folded to E4M3 in registers, the token folded per 128-K group, the FP8-wgmma walk's roundings.
 // L1 epilogue as the tile walk's (swiglu_value on the bf16-rounded gate and up; UE8M0 scale per 32 outputs,
 // ceil_pow2(amax / 448); E4M3 by the exact reciprocal), not folded: L2 reads E4M3 bytes [slot][I] (w4a4: E2M1
 // [slot][I / 2]) and scale bytes [slot][I / 32] in the pool's regions (nothing else reads them in this call).
@@ -115,7 +117,7 @@ __device__ __forceinline__ void for_each_item(const GemvPass& p, const int* ids,
 
 // Shared memory: the ring's full / empty barriers, the consumer warps' partial sums (two buffers by item parity, handed
 // to the epilogue warp through part_full / part_free), the token's bf16 B fragments (16 words per 32-K block: fp8_pair_bf16 in
-// decode_rows_bf16's K order; the FP8 form: folded E4M3 bytes, 8 words a block, then a float factor a 128-K group,
+// decode_rows_bf16's K order; the wgmma form: folded E4M3 bytes, 32 a block, then a float factor a 128-K group:
 // fold_token), then the ring's stages (a tile: rows, scale bytes, row exponents).
 struct GemvSmem {
   uint64_t* full;
@@ -126,7 +128,7 @@ struct GemvSmem {
   uint32_t* zeros;  // 64 zero bytes: the token fragments of lanes 4-31
   uint64_t* part_full;  // [2] part[b] holds an item's sums (each consumer lane that wrote arrives; the epilogue warp waits)
   uint64_t* part_free;  // [2] the epilogue warp has read part[b] (its 32 lanes arrive; the consumers wait, two items on)
-  uint2* tables;        // the E2M1 -> E4M3 fold tables (make_fold_table; the FP8 form)
+  uint2* tables;        // the E2M1 -> E4M3 fold tables (make_fold_table; the wgmma form)
   float (*part)[kGemvWarps][kGemvRows];
   uint32_t* token;
   uint8_t* ring;
@@ -574,7 +576,7 @@ __device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const i
   }
   for (int slot = threadIdx.x; slot < slots; slot += kGemvThreads) s.ids[slot] = __ldcg(ids + slot);
   if (threadIdx.x < 16) s.zeros[threadIdx.x] = 0;
-  if (threadIdx.x >= 32 && threadIdx.x < 32 + kNumFoldTables)  // the FP8 form's fold tables
+  if (threadIdx.x >= 32 && threadIdx.x < 32 + kNumFoldTables)  // the wgmma form's fold tables
     s.tables[threadIdx.x - 32] = make_fold_table(threadIdx.x - 32 - kFoldHeadroom);
   __syncthreads();
 }
@@ -757,8 +759,9 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
   const int smem2 = heuristics::fp4_gemv_smem_bytes(inter, sb, top_k * (inter / 32), l2_stages);
   // Forms: MXFP4 on BF16 mma.sync, NVFP4, MXFP4 on FP8 wgmmas (heuristics::fp4_gemv_fp8_mma; each layer whose ring holds
   // an item's four tiles at once: consume_wgmma).
-  const bool wgmma = !nv && heuristics::fp4_gemv_fp8_mma();
-  const int form1 = nv ? 1 : wgmma && l1_stages >= 4 ? 2 : 0, form2 = nv ? 1 : wgmma && l2_stages >= 4 ? 2 : 0;
+  const int wgmma = nv ? 0 : heuristics::fp4_gemv_fp8_mma();
+  const int form1 = nv ? 1 : (wgmma & 1) && l1_stages >= 4 ? 2 : 0;
+  const int form2 = nv ? 1 : (wgmma & 2) && l2_stages >= 4 ? 2 : 0;
   using L1 = decltype(&launch_l1<false, false, false, false>);
   static constexpr L1 kL1[2][2][3] = {  // [fast_math][act_fp4][form]
       {{launch_l1<false, false, false, false>, launch_l1<false, false, true, false>, launch_l1<false, false, false, true>},
