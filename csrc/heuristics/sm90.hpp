@@ -295,6 +295,14 @@ inline int fp4_gemv_stages(int64_t k, int scale_block, int64_t token_blocks) {
   return free <= 0 ? 0
                    : static_cast<int>(std::min<int64_t>(kFp4GemvMaxStages, free / fp4_gemv_stage_bytes(k, scale_block)));
 }
+// The wgmma form's ring (MXFP4; sm90_fp4_gemv.cu, produce_chunks): a stage holds an item's 64 rows over one K chunk of
+// kFp4GemvChunkK (rows, their 16 scale bytes, their 64 row exponents), so that a warpgroup starts on one stage.
+constexpr int kFp4GemvChunkK = 512;
+constexpr int kFp4GemvChunkStageBytes = (64 * (kFp4GemvChunkK / 2 + kFp4GemvChunkK / 32 + 1) + 127) / 128 * 128;
+inline int fp4_gemv_chunk_stages(int64_t token_blocks) {
+  const int64_t free = kFp4GemvSmemLimit - fp4_gemv_smem_bytes(0, 32, token_blocks, 0);
+  return free <= 0 ? 0 : static_cast<int>(std::min<int64_t>(kFp4GemvMaxStages, free / kFp4GemvChunkStageBytes));
+}
 // scale_block: the weights' (32: MXFP4, 16: NVFP4); supported: MXFP4 or NVFP4 weights with FP8 tokens or tokens of
 // their own FP4 format.
 inline bool fp4_gemv(int64_t num_tokens, int64_t num_ranks, bool supported, int scale_block, int64_t hidden,

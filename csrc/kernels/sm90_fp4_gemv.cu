@@ -454,82 +454,134 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
   });
 }
 
-// The wgmma form of the consumers (MXFP4 weights; heuristics::fp4_gemv_fp8_mma): warp w takes tile w % 4 of every item
-// (rows 16 (w % 4) .. of its 64: the warp's rows of an m64 wgmma) over the 128-K groups of warpgroup w / 4 (a quarter
-// of K). Each lane decodes its 32-K block of rows rr and rr + 8 to E4M3 relative to each row's largest scale
-// (e2m1 x 2^(s - e + kFoldHeadroom), the fold tables, as the FP8-wgmma walk's decode_weights_e4m3) straight into the
-// A fragments of the group's four k32 steps; B is the folded token in shared memory (fold_token: a K-major operand
-// without swizzle whose row 0 is the token's 32 bytes of the step and whose core matrices lie 16 bytes apart, so rows
-// 1-7, the columns 1-7 of the product, read the bytes that follow: ignored). The group's sum times its token factor
-// adds to the row's float32 sum; after the item's K, 2^(e - 127 - kFoldHeadroom) per row, into part[parity][w / 4]
-// for the epilogue warp (4 partial sums a row). The stages of an item's four tiles are in the ring together (the
-// warpgroups' wgmmas take all four): stages >= 4 (launch_fp4_gemv).
+// The wgmma form's ring (MXFP4 weights; heuristics::fp4_gemv_fp8_mma): stage t holds chunk t % C of the t / C-th valid
+// item (C = k / kFp4GemvChunkK chunks an item): its 64 rows over the chunk's 512 K ([64][256] bytes), their 16 scale
+// bytes each ([64][16]) and their row exponents ([64]); warpgroup t % 4 consumes it (consume_chunks).
+constexpr int kChunkRowBytes = heuristics::kFp4GemvChunkK / 2, kChunkBlocks = heuristics::kFp4GemvChunkK / 32;
+constexpr int kChunkScaleOffset = kGemvRows * kChunkRowBytes, kChunkExpOffset = kChunkScaleOffset + kGemvRows * kChunkBlocks;
+static_assert(kChunkExpOffset + kGemvRows <= heuristics::kFp4GemvChunkStageBytes && kChunkBlocks == kScaleTileBytes,
+              "a chunk's scale bytes are one 16-block piece of a scale tile");
+
+// Producer warp of the wgmma form: every lane waits for the stage (racecheck), lane 0 expects its bytes; lanes copy the
+// 64 row pieces (two a lane: 256 bytes each), lanes 0-3 each tile's scale piece (scale tiles: 256 contiguous bytes;
+// rows: 16 pieces of 16 bytes, two a lane over all 32 lanes) and lanes 4-7 each tile's 16 row exponents.
+template <typename RowsOf>
+__device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
+                                               RowsOf rows_of) {
+  const int lane = threadIdx.x % 32, kb = p.k / 32, row_bytes = p.k / 2, chunks = p.k / heuristics::kFp4GemvChunkK;
+  constexpr uint32_t kBytes = kGemvRows * (kChunkRowBytes + kChunkBlocks + 1);
+  int stage = 0;
+  uint32_t phase = 0;
+  for_each_item(p, ids, num_experts, [&](int, int id, int index) {
+    int r0[4];
+    rows_of(index, r0);
+    for (int c = 0; c < chunks; ++c) {
+      ptx::mbarrier_wait(&s.empty[stage], phase ^ 1);
+      if (lane == 0) ptx::mbarrier_arrive_expect_tx(&s.full[stage], kBytes);
+      __syncwarp();  // the bytes are expected before any copy completes
+      uint8_t* dst = s.ring + stage * heuristics::kFp4GemvChunkStageBytes;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = lane + 32 * h;  // row r of the item: tile r / 16 (2h or 2h + 1), its row r % 16
+        const int64_t row = int64_t(id) * p.n + (lane < 16 ? r0[2 * h] : r0[2 * h + 1]) + r % 16;
+        ptx::bulk_load(dst + r * kChunkRowBytes, p.w.weights + row * row_bytes + c * kChunkRowBytes, kChunkRowBytes,
+                       &s.full[stage]);
+        if (!p.w.scale_tiles)
+          ptx::bulk_load(dst + kChunkScaleOffset + r * kChunkBlocks, p.w.weights_sf + row * kb + c * kChunkBlocks,
+                         kChunkBlocks, &s.full[stage]);
+      }
+      if (p.w.scale_tiles && lane < 4) {  // [n / 256][kb / 16][256][16]: rows r0 .. r0 + 15 of blocks 16c .. 16c + 15
+        const int r = lane == 0 ? r0[0] : lane == 1 ? r0[1] : lane == 2 ? r0[2] : r0[3];
+        ptx::bulk_load(dst + kChunkScaleOffset + lane * kFp4GemvTileRows * kChunkBlocks,
+                       p.w.weights_sf + int64_t(id) * p.n * kb +
+                           int64_t(r / kScaleTileRows) * (kb / kScaleTileBytes) * (kScaleTileRows * kScaleTileBytes) +
+                           int64_t(c) * kScaleTileRows * kScaleTileBytes + (r % kScaleTileRows) * kScaleTileBytes,
+                       kFp4GemvTileRows * kChunkBlocks, &s.full[stage]);
+      }
+      if (lane >= 4 && lane < 8) {
+        const int r = lane == 4 ? r0[0] : lane == 5 ? r0[1] : lane == 6 ? r0[2] : r0[3];
+        ptx::bulk_load(dst + kChunkExpOffset + (lane - 4) * kFp4GemvTileRows, p.w.row_exp + int64_t(id) * p.n + r,
+                       kFp4GemvTileRows, &s.full[stage]);
+      }
+      if (++stage == p.stages) stage = 0, phase ^= 1;
+    }
+  });
+}
+
+// The wgmma form's consumers: warpgroup w / 4 takes the stages t = w / 4 (mod 4) (chunk t % C of an item), warp w its
+// rows 16 (w % 4) .. + 15 of the item's 64 (its rows of an m64 wgmma). Each lane decodes its 32-K block of rows rr and
+// rr + 8 (lane q: block q of each 128-K group) to E4M3 relative to each row's largest scale (e2m1 x 2^(s - e +
+// kFoldHeadroom), the fold tables, as the FP8-wgmma walk's decode_weights_e4m3) straight into the A fragments of the
+// group's four k32 steps; B is the folded token in shared memory (fold_token: a K-major operand without swizzle whose
+// row 0 is the token's 32 bytes of the step and whose core matrices lie 16 bytes apart, so rows 1-7, the columns 1-7
+// of the product, read the bytes that follow: ignored). The group's sum times its token factor adds to the row's
+// float32 sum; after the item, 2^(e - 127 - kFoldHeadroom) per row into part[parity][w / 4] for the epilogue warp (4
+// partial sums a row; a warpgroup with no chunk of the item writes zeros).
 // Why: the BF16 form decodes ~2.2 instructions a weight (mma.sync has no native E4M3 on sm_90: ptxas unpacks to F16);
-// the PRMT fold to E4M3 is 1.25, and wgmma takes E4M3 from registers.
-__device__ __forceinline__ void consume_wgmma(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
-                                              int token_bytes, const float* token_f) {
+// the PRMT fold to E4M3 is 1.25, and wgmma takes E4M3 from registers. NOTES (H100, 2026-11-27, forty-eighth session):
+// the first form took a tile of 16 rows over the whole K a stage, so an item's four tiles had to sit in the ring
+// together before a warpgroup could start (a cold L1 waited for four tiles; two stages streamed the next item while
+// one was consumed): L2 alone 0.95-0.97x the call's time, L1 1.00-1.06x.
+__device__ __forceinline__ void consume_chunks(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
+                                               int token_bytes, const float* token_f) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, m = warp % 4;
-  const int q = lane % 4, rr = lane / 4, kb = p.k / 32, row_bytes = p.k / 2;
-  const int groups = p.k / 128, g_begin = wg * groups / 4, g_end = (wg + 1) * groups / 4;
-  const uint32_t stage_bytes = heuristics::fp4_gemv_stage_bytes(p.k, 32);
-  const bool scale_tiles = p.w.scale_tiles;
-  const int sf_row = (scale_tiles ? rr * kScaleTileBytes : rr * kb) + q;
-  const int sf_row8 = scale_tiles ? 8 * kScaleTileBytes : 8 * kb;
+  const int q = lane % 4, rr = lane / 4, chunks = p.k / heuristics::kFp4GemvChunkK;
+  const int ra = kFp4GemvTileRows * m + rr, rb = ra + 8;  // this lane's rows of the item
   const uint8_t* token8 = reinterpret_cast<const uint8_t*>(s.token);
-  int tile = m, parity = 0, n = 0;  // tile: this warp's tiles in ring order (4 an item)
+  int t0 = 0, parity = 0, n = 0;  // t0: the item's first stage in ring order
   for_each_item(p, ids, num_experts, [&](int slot, int, int) {
-    const int stage = tile % p.stages;
-    const uint32_t phase = (tile / p.stages) & 1;
-    tile += 4;
-    const uint8_t* stile = s.ring + stage * stage_bytes;
-    const uint8_t* sf = stile + kFp4GemvTileRows * row_bytes;
     // B of group g, step st: the token's 32 bytes at 32 (4g + st) (lo + 8g + 2st); core matrices 16 bytes apart
     const uint32_t desc_lo = ptx::smem_desc_noswizzle_lo(token8 + slot * token_bytes, 16);
     const float* factors = token_f + slot * (token_bytes / 128);
-    ptx::mbarrier_wait(&s.full[stage], phase);
-    const uint32_t ea = sf[kFp4GemvTileRows * kb + rr], eb = sf[kFp4GemvTileRows * kb + rr + 8];
-    float acc0 = 0.0f, acc2 = 0.0f;  // column 0 of rows rr and rr + 8 (lanes q = 0)
-    for (int g = g_begin; g < g_end; ++g) {
-      const int blk = 4 * g + q;
-      const uint4 wra = *reinterpret_cast<const uint4*>(stile + rr * row_bytes + blk * 16);
-      const uint4 wrb = *reinterpret_cast<const uint4*>(stile + (rr + 8) * row_bytes + blk * 16);
-      const uint32_t ug = static_cast<uint32_t>(g);
-      const int ia = sf_row + static_cast<int>(scale_tiles ? ((ug >> 2) << 8) | ((ug & 3) << 2) : 4 * ug);
-      // A scale above its row's largest (never written by transform_weights) reads the all-zero last table.
-      const uint2 ta = s.tables[min(ea - sf[ia], uint32_t(kNumFoldTables - 1))];
-      const uint2 tb = s.tables[min(eb - sf[ia + sf_row8], uint32_t(kNumFoldTables - 1))];
-      const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};
-      uint32_t a8[4][4];
+    float acc0 = 0.0f, acc2 = 0.0f;  // column 0 of rows ra and rb (lanes q = 0)
+    uint32_t ea = 0, eb = 0;
+    for (int c = (wg - t0 % 4 + 4) % 4; c < chunks; c += 4) {
+      const int t = t0 + c, stage = t % p.stages;
+      const uint8_t* st8 = s.ring + stage * heuristics::kFp4GemvChunkStageBytes;  // chunk c of the item
+      ptx::mbarrier_wait(&s.full[stage], (t / p.stages) & 1);
+      ea = st8[kChunkExpOffset + ra], eb = st8[kChunkExpOffset + rb];
+#pragma unroll 1
+      for (int lg = 0; lg < kChunkBlocks / 4; ++lg) {  // the chunk's 128-K groups
+        const int g = c * (kChunkBlocks / 4) + lg, blk = 4 * lg + q;
+        const uint4 wra = *reinterpret_cast<const uint4*>(st8 + ra * kChunkRowBytes + blk * 16);
+        const uint4 wrb = *reinterpret_cast<const uint4*>(st8 + rb * kChunkRowBytes + blk * 16);
+        // A scale above its row's largest (never written by transform_weights) reads the all-zero last table.
+        const uint2 ta = s.tables[min(ea - st8[kChunkScaleOffset + ra * kChunkBlocks + blk], uint32_t(kNumFoldTables - 1))];
+        const uint2 tb = s.tables[min(eb - st8[kChunkScaleOffset + rb * kChunkBlocks + blk], uint32_t(kNumFoldTables - 1))];
+        const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};
+        uint32_t a8[4][4];
 #pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        e2m1x8_to_e4m3(wa[st], ta, a8[st][0], a8[st][2]);
-        e2m1x8_to_e4m3(wb[st], tb, a8[st][1], a8[st][3]);
+        for (int st = 0; st < 4; ++st) {
+          e2m1x8_to_e4m3(wa[st], ta, a8[st][0], a8[st][2]);
+          e2m1x8_to_e4m3(wb[st], tb, a8[st][1], a8[st][3]);
+        }
+        float sum[4] = {};
+#pragma unroll
+        for (int st = 0; st < 4; ++st)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[st][r]);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) ptx::fence_operand(sum[r]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int st = 0; st < 4; ++st)
+          ptx::WgmmaFP8RS<8>::run(sum, a8[st], ptx::smem_desc_noswizzle(desc_lo + 8 * g + 2 * st, 128), st > 0);
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int r = 0; r < 4; ++r) ptx::fence_operand(sum[r]);
+        const float f = factors[g];
+        acc0 = fmaf(sum[0], f, acc0);
+        acc2 = fmaf(sum[2], f, acc2);
       }
-      float sum[4] = {};
-#pragma unroll
-      for (int st = 0; st < 4; ++st)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[st][r]);
-#pragma unroll
-      for (int r = 0; r < 4; ++r) ptx::fence_operand(sum[r]);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int st = 0; st < 4; ++st)
-        ptx::WgmmaFP8RS<8>::run(sum, a8[st], ptx::smem_desc_noswizzle(desc_lo + 8 * g + 2 * st, 128), st > 0);
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int r = 0; r < 4; ++r) ptx::fence_operand(sum[r]);
-      const float f = factors[g];
-      acc0 = fmaf(sum[0], f, acc0);
-      acc2 = fmaf(sum[2], f, acc2);
+      ptx::mbarrier_arrive(&s.empty[stage]);  // every lane of the warpgroup (racecheck)
     }
-    ptx::mbarrier_arrive(&s.empty[stage]);  // every lane of the tile's four warps (racecheck)
+    t0 += chunks;
     ptx::mbarrier_wait(&s.part_free[parity], ((n >> 1) & 1) ^ 1);
     if (q == 0) {
       static_assert(kFoldHeadroom == 6, "the rows' 2^-6");
-      s.part[parity][wg][16 * m + rr] = acc0 * (ue8m0_float(ea) * 0x1p-6f);
-      s.part[parity][wg][16 * m + rr + 8] = acc2 * (ue8m0_float(eb) * 0x1p-6f);
+      s.part[parity][wg][ra] = acc0 * (ue8m0_float(ea) * 0x1p-6f);  // a warpgroup without a chunk: 0 x 2^-133
+      s.part[parity][wg][rb] = acc2 * (ue8m0_float(eb) * 0x1p-6f);
       ptx::mbarrier_arrive(&s.part_full[parity]);
     }
     parity ^= 1, ++n;
@@ -627,7 +679,10 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
   };
   const int warp = threadIdx.x / 32;
   if (warp == kProducerWarp) {
-    produce<kNV>(s, p, ids, num_experts, rows_of);
+    if constexpr (kFP8Mma)
+      produce_chunks(s, p, ids, num_experts, rows_of);
+    else
+      produce<kNV>(s, p, ids, num_experts, rows_of);
     return;
   }
   if (warp == kEpilogueWarp) {
@@ -652,7 +707,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
   if constexpr (kFP8Mma)
-    consume_wgmma(s, p, ids, num_experts, 0, token_f);
+    consume_chunks(s, p, ids, num_experts, 0, token_f);
   else
     consume<kNV, kFP4Act>(s, p, ids, num_experts, 0, rows_of);
 }
@@ -678,7 +733,10 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
   if (warp == kProducerWarp) {
     // The producer streams weights before L1 ends (they do not depend on it). It does not wait at all: this grid's end
     // (combine's wait) follows the consumers', which wait.
-    produce<kNV>(s, p, ids, num_experts, rows_of);
+    if constexpr (kFP8Mma)
+      produce_chunks(s, p, ids, num_experts, rows_of);
+    else
+      produce<kNV>(s, p, ids, num_experts, rows_of);
     return;
   }
   ptx::grid_dependency_wait();  // L1's outputs
@@ -711,7 +769,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
   if constexpr (kFP8Mma)
-    consume_wgmma(s, p, ids, num_experts, inter, token_f);
+    consume_chunks(s, p, ids, num_experts, inter, token_f);
   else
     consume<kNV, kFP4Act>(s, p, ids, num_experts, (inter / 32) * 16, rows_of);
 }
@@ -750,18 +808,25 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
     throw std::runtime_error("megamoe: the FP4 GEMV path takes one rank, hidden and intermediate multiples of 128, top_k "
                              "<= 64, two ring stages of each layer and, with NVFP4 tokens, a float32 scratch of "
                              "top_k x (intermediate + intermediate / 32) (heuristics::fp4_gemv)");
+  // Forms: MXFP4 on BF16 mma.sync, NVFP4, MXFP4 on FP8 wgmmas (heuristics::fp4_gemv_fp8_mma; a layer whose K is whole
+  // chunks: its own ring of chunk stages, produce_chunks / consume_chunks).
+  const int wgmma = nv ? 0 : heuristics::fp4_gemv_fp8_mma();
+  const bool w1 = (wgmma & 1) && hidden % heuristics::kFp4GemvChunkK == 0;
+  const bool w2 = (wgmma & 2) && inter % heuristics::kFp4GemvChunkK == 0;
+  const int form1 = nv ? 1 : w1 ? 2 : 0, form2 = nv ? 1 : w2 ? 2 : 0;
+  const int stages1 = w1 ? heuristics::fp4_gemv_chunk_stages(hidden / 32) : l1_stages;
+  const int stages2 = w2 ? heuristics::fp4_gemv_chunk_stages(top_k * (inter / 32)) : l2_stages;
   const int runs = heuristics::fp4_gemv_runs(nv && layout.act_fp4);
-  const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, sb, l1_stages, (runs & 1) != 0};
-  const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, sb, l2_stages, (runs & 2) != 0};
+  const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, sb, stages1, (runs & 1) != 0};
+  const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, sb, stages2, (runs & 2) != 0};
   // Persistent CTAs, one an SM (the ring takes most of its shared memory), over items x top_k items.
   const dim3 g1(std::min(num_sms, p1.items * top_k)), g2(std::min(num_sms, p2.items * top_k));
-  const int smem1 = heuristics::fp4_gemv_smem_bytes(hidden, sb, hidden / 32, l1_stages);
-  const int smem2 = heuristics::fp4_gemv_smem_bytes(inter, sb, top_k * (inter / 32), l2_stages);
-  // Forms: MXFP4 on BF16 mma.sync, NVFP4, MXFP4 on FP8 wgmmas (heuristics::fp4_gemv_fp8_mma; each layer whose ring holds
-  // an item's four tiles at once: consume_wgmma).
-  const int wgmma = nv ? 0 : heuristics::fp4_gemv_fp8_mma();
-  const int form1 = nv ? 1 : (wgmma & 1) && l1_stages >= 4 ? 2 : 0;
-  const int form2 = nv ? 1 : (wgmma & 2) && l2_stages >= 4 ? 2 : 0;
+  const int smem1 = w1 ? heuristics::fp4_gemv_smem_bytes(0, 32, hidden / 32, 0) +
+                             stages1 * heuristics::kFp4GemvChunkStageBytes
+                       : heuristics::fp4_gemv_smem_bytes(hidden, sb, hidden / 32, l1_stages);
+  const int smem2 = w2 ? heuristics::fp4_gemv_smem_bytes(0, 32, top_k * (inter / 32), 0) +
+                             stages2 * heuristics::kFp4GemvChunkStageBytes
+                       : heuristics::fp4_gemv_smem_bytes(inter, sb, top_k * (inter / 32), l2_stages);
   using L1 = decltype(&launch_l1<false, false, false, false>);
   static constexpr L1 kL1[2][2][3] = {  // [fast_math][act_fp4][form]
       {{launch_l1<false, false, false, false>, launch_l1<false, false, true, false>, launch_l1<false, false, false, true>},
