@@ -58,9 +58,10 @@ void launch_fp8_grouped_gemms(const GroupedGemmArgs& l1, const GroupedGemmArgs& 
                               const layout::BufferLayout& layout, const GroupedGemmLaunch& how, int num_sms,
                               cudaStream_t stream);
 
-// 2D tensor map over a row-major byte matrix [outer, inner], 128-byte swizzled boxes {box_inner, box_outer}.
+// 2D tensor map over a row-major byte matrix [outer, inner], 128-byte swizzled boxes {box_inner, box_outer} (swizzle
+// false: boxes land row after row, box_inner bytes apart; box_inner up to 256).
 CUtensorMap make_tensor_map_2d(const void* base, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
-                               uint32_t box_inner, uint32_t box_outer);
+                               uint32_t box_inner, uint32_t box_outer, bool swizzle = true);
 
 // Grouped FP4-weight GEMM (MXFP4 / NVFP4 weights decoded on chip to bf16; sm90_fp4_grouped_gemm.cuh).
 struct Fp4GroupedGemmArgs {
@@ -134,6 +135,9 @@ struct Fp4GemvLayer {
   const uint8_t* row_exp;     // MXFP4 [E, n]: each row's largest scale byte (transform_weights' third tensor); NVFP4 null
   const float* global_sf;     // NVFP4 [E]: the per-expert global scale (third tensor); MXFP4 null
   bool scale_tiles;
+  // MXFP4 with k a multiple of heuristics::kFp4GemvChunkK: the weights as [E * n, k / 2] bytes, unswizzled boxes of
+  // {chunk K / 2, 16 rows} (the wgmma form's ring, produce_chunks); else unused.
+  CUtensorMap tmap_chunks;
 };
 void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* buffer, const layout::BufferLayout& layout,
                      float activation_clamp, bool fast_math, int* recv_stats, float* scratch, int num_sms,

@@ -462,13 +462,16 @@ constexpr int kChunkScaleOffset = kGemvRows * kChunkRowBytes, kChunkExpOffset = 
 static_assert(kChunkExpOffset + kGemvRows <= heuristics::kFp4GemvChunkStageBytes && kChunkBlocks == kScaleTileBytes,
               "a chunk's scale bytes are one 16-block piece of a scale tile");
 
-// Producer warp of the wgmma form: every lane waits for the stage (racecheck), lane 0 expects its bytes; lanes copy the
-// 64 row pieces (two a lane: 256 bytes each), lanes 0-3 each tile's scale piece (scale tiles: 256 contiguous bytes;
-// rows: 16 pieces of 16 bytes, two a lane over all 32 lanes) and lanes 4-7 each tile's 16 row exponents.
+// Producer warp of the wgmma form: every lane waits for the stage (racecheck), lane 0 expects its bytes; lanes 8-11
+// load each tile's rows over the chunk (one box of the tensor map p.w.tmap_chunks: [16 rows][256 bytes]), lanes 0-3
+// each tile's scale piece (scale tiles: 256 contiguous bytes; rows: 16 pieces of 16 bytes, two a lane over all 32
+// lanes) and lanes 4-7 each tile's 16 row exponents.
+// NOTES (H100, 2026-11-27, forty-eighth session): the rows as 64 bulk copies of 256 bytes a stage (~70 copies a stage,
+// ~840 a CTA at V4-Flash L2 against ~40 for the tile ring) took the call 1.45-2.7x main's time.
 template <typename RowsOf>
 __device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
                                                RowsOf rows_of) {
-  const int lane = threadIdx.x % 32, kb = p.k / 32, row_bytes = p.k / 2, chunks = p.k / heuristics::kFp4GemvChunkK;
+  const int lane = threadIdx.x % 32, kb = p.k / 32, chunks = p.k / heuristics::kFp4GemvChunkK;
   constexpr uint32_t kBytes = kGemvRows * (kChunkRowBytes + kChunkBlocks + 1);
   int stage = 0;
   uint32_t phase = 0;
@@ -480,15 +483,19 @@ __device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass
       if (lane == 0) ptx::mbarrier_arrive_expect_tx(&s.full[stage], kBytes);
       __syncwarp();  // the bytes are expected before any copy completes
       uint8_t* dst = s.ring + stage * heuristics::kFp4GemvChunkStageBytes;
+      if (lane >= 8 && lane < 12) {
+        const int m = lane - 8, r = m == 0 ? r0[0] : m == 1 ? r0[1] : m == 2 ? r0[2] : r0[3];
+        ptx::tma_load_2d(dst + m * kFp4GemvTileRows * kChunkRowBytes, &p.w.tmap_chunks, &s.full[stage],
+                         c * kChunkRowBytes, id * p.n + r);
+      }
+      if (!p.w.scale_tiles) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = lane + 32 * h;  // row r of the item: tile r / 16 (2h or 2h + 1), its row r % 16
-        const int64_t row = int64_t(id) * p.n + (lane < 16 ? r0[2 * h] : r0[2 * h + 1]) + r % 16;
-        ptx::bulk_load(dst + r * kChunkRowBytes, p.w.weights + row * row_bytes + c * kChunkRowBytes, kChunkRowBytes,
-                       &s.full[stage]);
-        if (!p.w.scale_tiles)
+        for (int h = 0; h < 2; ++h) {
+          const int r = lane + 32 * h;  // row r of the item: tile r / 16 (2h or 2h + 1), its row r % 16
+          const int64_t row = int64_t(id) * p.n + (lane < 16 ? r0[2 * h] : r0[2 * h + 1]) + r % 16;
           ptx::bulk_load(dst + kChunkScaleOffset + r * kChunkBlocks, p.w.weights_sf + row * kb + c * kChunkBlocks,
                          kChunkBlocks, &s.full[stage]);
+        }
       }
       if (p.w.scale_tiles && lane < 4) {  // [n / 256][kb / 16][256][16]: rows r0 .. r0 + 15 of blocks 16c .. 16c + 15
         const int r = lane == 0 ? r0[0] : lane == 1 ? r0[1] : lane == 2 ? r0[2] : r0[3];
@@ -636,7 +643,7 @@ __device__ __forceinline__ void init_ring(const GemvSmem& s, int stages, const i
 // L1: item ob of a slot = the 32 gate rows of outputs [32 ob, 32 ob + 32) and their up rows, 64
 // further (transform_weights' interleave: chunk 2j = gate rows [64j, 64j + 64), chunk 2j + 1 = the matching up rows).
 template <bool kFast, bool kFP4Act, bool kNV, bool kFP8Mma>
-__global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p, uint8_t* buffer,
+__global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(const __grid_constant__ GemvPass p, uint8_t* buffer,
                                                                       layout::BufferLayout l, float clamp,
                                                                       int* recv_stats, float* scratch) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -714,7 +721,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(GemvPass p
 
 // L2: item rb of a slot = weight rows [64 rb, 64 rb + 64) -> bf16 of the slot's combine row.
 template <bool kFP4Act, bool kNV, bool kFP8Mma>
-__global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(GemvPass p, uint8_t* buffer,
+__global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(const __grid_constant__ GemvPass p, uint8_t* buffer,
                                                                       layout::BufferLayout l, const float* scratch) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);

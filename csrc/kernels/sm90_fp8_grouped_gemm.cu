@@ -94,7 +94,7 @@ EncodeTiledFn encode_tiled() {
 }  // namespace
 
 CUtensorMap make_tensor_map_2d(const void* base, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
-                               uint32_t box_inner, uint32_t box_outer) {
+                               uint32_t box_inner, uint32_t box_outer, bool swizzle) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {inner, outer};
   const cuuint64_t strides[1] = {row_stride_bytes};
@@ -102,7 +102,8 @@ CUtensorMap make_tensor_map_2d(const void* base, uint64_t inner, uint64_t outer,
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUresult r = encode_tiled()(
       &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw std::runtime_error("megamoe: cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r)));

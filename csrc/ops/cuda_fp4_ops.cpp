@@ -55,9 +55,13 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
                                               l.intermediate, l.top_k)) {
     // The third tensor: MXFP4 row exponents (uint8 [E, n]) or the NVFP4 global scales (float32 [E]).
     auto layer = [&](const at::Tensor& w, const at::Tensor& sf, const at::Tensor& third, int64_t n, int64_t k) {
-      return kernels::Fp4GemvLayer{static_cast<const uint8_t*>(w.data_ptr()), static_cast<const uint8_t*>(sf.data_ptr()),
-                                   nv_weights ? nullptr : third.data_ptr<uint8_t>(),
-                                   nv_weights ? third.data_ptr<float>() : nullptr, fp4_scale_tiles(format, n, k)};
+      kernels::Fp4GemvLayer g{static_cast<const uint8_t*>(w.data_ptr()), static_cast<const uint8_t*>(sf.data_ptr()),
+                              nv_weights ? nullptr : third.data_ptr<uint8_t>(),
+                              nv_weights ? third.data_ptr<float>() : nullptr, fp4_scale_tiles(format, n, k), {}};
+      if (!nv_weights && k % heuristics::kFp4GemvChunkK == 0)  // the wgmma form's chunks (host only: capture-safe)
+        g.tmap_chunks = kernels::make_tensor_map_2d(w.data_ptr(), k / 2, w.numel() / (k / 2), k / 2,
+                                                    heuristics::kFp4GemvChunkK / 2, heuristics::kFp4GemvTileRows, false);
+      return g;
     };
     uint8_t* b = buffer_ptr(buffer);
     // NVFP4 tokens: L1's float32 outputs and each 32's amax, which L2 quantizes (their global scale spans the row).
