@@ -335,13 +335,17 @@ inline int fp4_gemv_runs(bool nvfp4_tokens) {
 // the FP8-wgmma walk), the token folded per 128-K group (one factor 2^(T - 127) a group), four m64n8k32 wgmmas a
 // group: ~135 instructions a 128-K group and lane against ~180 (mma.sync has no native E4M3 on sm_90: ptxas unpacks to
 // F16). The walk's FP8-wgmma roundings (weights exact within 14 binades of their row's largest scale, tokens rounded
-// more than 17 binades below their group's largest), not the BF16 form's exact products. A layer takes it only where
-// its ring holds an item's four tiles (stages >= 4: the warpgroups' wgmmas span them).
+// more than 17 binades below their group's largest), not the BF16 form's exact products. A layer takes it where its K
+// is whole chunks of kFp4GemvChunkK (its ring of chunk stages: produce_chunks / consume_chunks).
+// NOTES (H100, 2026-11-27, perf-notes forty-eighth session, T=1, 3 rounds, MXFP4, time per replay over the BF16 form in
+// both layers): both layers 0.942-0.943 at V4-Flash (x floor 1.525 / 1.504 for w4a4 / w4a8), 0.959 at V4-Pro (1.301);
+// L2 alone 0.985-0.988 / 0.980-0.987, L1 alone 0.959-0.966 / 1.003-1.015. The first ring (a tile of 16 rows over the
+// whole K a stage) made an item's four tiles wait for each other: L2 alone 0.95-0.97, L1 1.00-1.06.
 // MEGAMOE_FP4_GEMV_FP8MMA (read per call: 0-3) overrides.
 inline int fp4_gemv_fp8_mma() {
   const char* env = std::getenv("MEGAMOE_FP4_GEMV_FP8MMA");
   if (env != nullptr && env[0] >= '0' && env[0] <= '3') return env[0] - '0';
-  return 2;
+  return 3;
 }
 
 // FP8-wgmma path (MXFP4 weights) with FP8 tokens: the gather folds L1's tokens per 128-K group (one factor each) as it

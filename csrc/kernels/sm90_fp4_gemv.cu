@@ -528,7 +528,8 @@ __device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass
 // the PRMT fold to E4M3 is 1.25, and wgmma takes E4M3 from registers. NOTES (H100, 2026-11-27, forty-eighth session):
 // the first form took a tile of 16 rows over the whole K a stage, so an item's four tiles had to sit in the ring
 // together before a warpgroup could start (a cold L1 waited for four tiles; two stages streamed the next item while
-// one was consumed): L2 alone 0.95-0.97x the call's time, L1 1.00-1.06x.
+// one was consumed): L2 alone 0.95-0.97x the call's time, L1 1.00-1.06x. On chunk stages (TMA boxes), both layers:
+// 0.94x at V4-Flash, 0.96x at V4-Pro (heuristics::fp4_gemv_fp8_mma).
 __device__ __forceinline__ void consume_chunks(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
                                                int token_bytes, const float* token_f) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, m = warp % 4;
