@@ -330,17 +330,18 @@ inline int fp4_gemv_runs(bool nvfp4_tokens) {
   return nvfp4_tokens ? 2 : 0;
 }
 
-// Which GEMV layers take MXFP4 weights on FP8 wgmmas (bit 0: L1, bit 1: L2; sm90_fp4_gemv.cu, consume_wgmma) instead
+// Which GEMV layers take MXFP4 weights on FP8 wgmmas (bit 0: L1, bit 1: L2; sm90_fp4_gemv.cu, consume_chunks) instead
 // of the BF16 decode on mma.sync: each weight folded to E4M3 relative to its row's largest scale (the fold tables, as
 // the FP8-wgmma walk), the token folded per 128-K group (one factor 2^(T - 127) a group), four m64n8k32 wgmmas a
 // group: ~135 instructions a 128-K group and lane against ~180 (mma.sync has no native E4M3 on sm_90: ptxas unpacks to
 // F16). The walk's FP8-wgmma roundings (weights exact within 14 binades of their row's largest scale, tokens rounded
 // more than 17 binades below their group's largest), not the BF16 form's exact products. A layer takes it where its K
 // is whole chunks of kFp4GemvChunkK (its ring of chunk stages: produce_chunks / consume_chunks).
-// NOTES (H100, 2026-11-27, perf-notes forty-eighth session, T=1, 3 rounds, MXFP4, time per replay over the BF16 form in
-// both layers): both layers 0.942-0.943 at V4-Flash (x floor 1.525 / 1.504 for w4a4 / w4a8), 0.959 at V4-Pro (1.301);
-// L2 alone 0.985-0.988 / 0.980-0.987, L1 alone 0.959-0.966 / 1.003-1.015. The first ring (a tile of 16 rows over the
-// whole K a stage) made an item's four tiles wait for each other: L2 alone 0.95-0.97, L1 1.00-1.06.
+// NOTES (H100, 2026-11-27, perf-notes forty-eighth session, T=1, 3 rounds, MXFP4, time per replay). The first ring (a
+// tile of 16 rows over the whole K a stage) made an item's four tiles wait for each other; over the BF16 form: L2 alone
+// 0.95-0.97, L1 1.00-1.06. The chunk ring, over that first form's L2 alone: both layers 0.942-0.943 at V4-Flash (x
+// floor 1.525 / 1.504 for w4a4 / w4a8), 0.959 at V4-Pro (1.301); L2 alone 0.980-0.988, L1 alone 0.96 (V4-Flash) /
+// 1.00-1.02 (V4-Pro).
 // MEGAMOE_FP4_GEMV_FP8MMA (read per call: 0-3) overrides.
 inline int fp4_gemv_fp8_mma() {
   const char* env = std::getenv("MEGAMOE_FP4_GEMV_FP8MMA");

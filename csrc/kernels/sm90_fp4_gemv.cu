@@ -30,8 +30,9 @@
 // below the row's largest (the FP8-wgmma walk: up to 14, rounded past that). Not the default walk's FP8 wgmmas on
 // folded values: other roundings (within the tolerance of the reference, not bitwise), hence one rank only (EP's ranks
 // must round alike whatever their token counts).
-// MXFP4 layers whose ring holds an item's four tiles may run on FP8 wgmmas instead (heuristics::fp4_gemv_fp8_mma,
-// consume_wgmma): weights folded to E4M3 in registers, the token folded per 128-K group, the FP8-wgmma walk's roundings.
+// MXFP4 layers whose K is whole 512-K chunks run on FP8 wgmmas instead (heuristics::fp4_gemv_fp8_mma; produce_chunks,
+// consume_chunks): a ring of chunk stages (an item's 64 rows over 512 K), weights folded to E4M3 in registers, the token
+// folded per 128-K group, the FP8-wgmma walk's roundings.
 // L1 epilogue as the tile walk's (swiglu_value on the bf16-rounded gate and up; UE8M0 scale per 32 outputs,
 // ceil_pow2(amax / 448); E4M3 by the exact reciprocal), not folded: L2 reads E4M3 bytes [slot][I] (w4a4: E2M1
 // [slot][I / 2]) and scale bytes [slot][I / 32] in the pool's regions (nothing else reads them in this call).
@@ -528,8 +529,8 @@ __device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass
 // the PRMT fold to E4M3 is 1.25, and wgmma takes E4M3 from registers. NOTES (H100, 2026-11-27, forty-eighth session):
 // the first form took a tile of 16 rows over the whole K a stage, so an item's four tiles had to sit in the ring
 // together before a warpgroup could start (a cold L1 waited for four tiles; two stages streamed the next item while
-// one was consumed): L2 alone 0.95-0.97x the call's time, L1 1.00-1.06x. On chunk stages (TMA boxes), both layers:
-// 0.94x at V4-Flash, 0.96x at V4-Pro (heuristics::fp4_gemv_fp8_mma).
+// one was consumed): L2 alone 0.95-0.97x the BF16 form's time, L1 1.00-1.06x. On chunk stages (TMA boxes), both
+// layers: 0.94x (V4-Flash) / 0.96x (V4-Pro) that first form's L2 alone (heuristics::fp4_gemv_fp8_mma).
 __device__ __forceinline__ void consume_chunks(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
                                                int token_bytes, const float* token_f) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, m = warp % 4;
