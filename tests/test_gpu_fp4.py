@@ -1079,14 +1079,18 @@ def test_fp4_gemv_item_runs_same_bits(weight_format, act_format, monkeypatch):
 
 
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
-@pytest.mark.parametrize("shape", [(16, 1024, 512, 4), (16, 1152, 1536, 4), (24, 2560, 512, 6)],
-                         ids=["two-and-one-chunks", "row-scales-three-chunks", "five-chunks"])
+@pytest.mark.parametrize("shape", [(16, 1024, 512, 4), (16, 1152, 1536, 4), (24, 2560, 512, 6), (64, 512, 1536, 64),
+                                   (64, 512, 1024, 64)],
+                         ids=["two-and-one-chunks", "row-scales-three-chunks", "five-chunks", "l2-one-stage-fits",
+                              "l2-five-stages-fit"])
 def test_fp4_gemv_mxfp4_wgmma_and_bf16_forms(shape, act_format, monkeypatch):
     """MXFP4 on the GEMV's two forms, by layer (MEGAMOE_FP4_GEMV_FP8MMA, bit 0 L1, bit 1 L2): FP8 wgmmas on weights and
     tokens folded to E4M3 (where a layer's K is whole chunks of 512) and BF16 mma.sync on exact products: each setting
     against the reference and bitwise run to run (poisoned outputs), and within the tolerance of the BF16 form. Chunks
-    an item: L1 2 / - (hidden 1152: the BF16 form) / 5, L2 1 / 3 (row-major scales: hidden 1152 is not whole 256-row
-    scale tiles) / 1, so that warpgroups take one, several or no chunks of an item, in turn."""
+    an item: L1 2 / - (hidden 1152: the BF16 form) / 5 / 1 / 1, L2 1 / 3 (row-major scales: hidden 1152 is not whole
+    256-row scale tiles) / 1, so that warpgroups take one, several or no chunks of an item, in turn. top_k 64: L2's
+    token rows leave room for 1 and 5 chunk stages, where the layer keeps the BF16 form (heuristics::
+    fp4_gemv_chunk_stages: 8 or none) while L1 takes the wgmma form."""
     e, h, i, k = shape
     case = make_case(e, h, i, k, 1, "mxfp4", act_format, device="cuda", masked_fraction=0.0, seed=818 + h)
     monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)

@@ -255,8 +255,10 @@ inline bool choose_mxfp4_fp8_mma() {
 // tokens (UE8M0 per 32: w4a8, w4a4), NVFP4 weights with FP8 or NVFP4 tokens (w4a8, w4a4: L2 quantizes L1's float32
 // outputs itself, the per-row global scale needing the whole row), hidden and intermediate multiples of 128, two ring
 // stages of either layer in shared memory (fp4_gemv_stages). Exact
-// products and float32 sums on mma.sync, not the default walk's FP8 wgmmas on folded values: other bits, so not with
-// peers (EP's ranks must round alike whatever their token counts; the EP tests' EP=1 runs turn it off).
+// products and float32 sums on mma.sync (NVFP4; MXFP4 where fp4_gemv_fp8_mma leaves a layer on the BF16 form), or the
+// FP8-wgmma walk's roundings on FP8 wgmmas (MXFP4, fp4_gemv_fp8_mma), summed in another order than the walk's: other
+// bits, so not with peers (EP's ranks must round alike whatever their token counts; the EP tests' EP=1 runs turn it
+// off).
 // MEGAMOE_FP4_GEMV=0 (read per call; tests) turns it off; the tile walk's own switches (MEGAMOE_FP4_BLOCK_M,
 // _SPLIT_ROUND, ...) act with it off.
 // NOTES (H100, 2026-11-27, perf-notes forty-second session), time over the walk's at V4-Flash / V4-Pro T=1: MXFP4 w4a8
@@ -299,9 +301,14 @@ inline int fp4_gemv_stages(int64_t k, int scale_block, int64_t token_blocks) {
 // kFp4GemvChunkK (rows, their 16 scale bytes, their 64 row exponents), so that a warpgroup starts on one stage.
 constexpr int kFp4GemvChunkK = 512;
 constexpr int kFp4GemvChunkStageBytes = (64 * (kFp4GemvChunkK / 2 + kFp4GemvChunkK / 32 + 1) + 127) / 128 * 128;
+// Stages: kFp4GemvMaxStages (8) or 0 (the layer keeps the BF16 form). Warpgroup t % 4 takes stage t, and its wait on
+// stage t % S with parity (t / S) & 1 holds only if stage t - S was its own (S a multiple of 4: otherwise another
+// warpgroup's unconsumed use of the stage can pass for this one); 8 is the depth measured (a review of 3f1b0d2's
+// successor found S = 1-7 reachable at top_k x intermediate beyond the DeepSeek shapes, e.g. top_k 40 x 2048: 3).
 inline int fp4_gemv_chunk_stages(int64_t token_blocks) {
   const int64_t free = kFp4GemvSmemLimit - fp4_gemv_smem_bytes(0, 32, token_blocks, 0);
-  return free <= 0 ? 0 : static_cast<int>(std::min<int64_t>(kFp4GemvMaxStages, free / kFp4GemvChunkStageBytes));
+  static_assert(kFp4GemvMaxStages % 4 == 0, "whole rounds of the four warpgroups");
+  return free >= int64_t(kFp4GemvMaxStages) * kFp4GemvChunkStageBytes ? kFp4GemvMaxStages : 0;
 }
 // scale_block: the weights' (32: MXFP4, 16: NVFP4); supported: MXFP4 or NVFP4 weights with FP8 tokens or tokens of
 // their own FP4 format.

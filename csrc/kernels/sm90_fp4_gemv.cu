@@ -818,10 +818,12 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
                              "<= 64, two ring stages of each layer and, with NVFP4 tokens, a float32 scratch of "
                              "top_k x (intermediate + intermediate / 32) (heuristics::fp4_gemv)");
   // Forms: MXFP4 on BF16 mma.sync, NVFP4, MXFP4 on FP8 wgmmas (heuristics::fp4_gemv_fp8_mma; a layer whose K is whole
-  // chunks: its own ring of chunk stages, produce_chunks / consume_chunks).
+  // chunks and whose shared memory holds 8 chunk stages beside its token: produce_chunks / consume_chunks).
   const int wgmma = nv ? 0 : heuristics::fp4_gemv_fp8_mma();
-  const bool w1 = (wgmma & 1) && hidden % heuristics::kFp4GemvChunkK == 0;
-  const bool w2 = (wgmma & 2) && inter % heuristics::kFp4GemvChunkK == 0;
+  const bool w1 = (wgmma & 1) && hidden % heuristics::kFp4GemvChunkK == 0 &&
+                  heuristics::fp4_gemv_chunk_stages(hidden / 32) > 0;
+  const bool w2 = (wgmma & 2) && inter % heuristics::kFp4GemvChunkK == 0 &&
+                  heuristics::fp4_gemv_chunk_stages(top_k * (inter / 32)) > 0;
   const int form1 = nv ? 1 : w1 ? 2 : 0, form2 = nv ? 1 : w2 ? 2 : 0;
   const int stages1 = w1 ? heuristics::fp4_gemv_chunk_stages(hidden / 32) : l1_stages;
   const int stages2 = w2 ? heuristics::fp4_gemv_chunk_stages(top_k * (inter / 32)) : l2_stages;
