@@ -303,8 +303,8 @@ constexpr int kFp4GemvChunkK = 512;
 constexpr int kFp4GemvChunkStageBytes = (64 * (kFp4GemvChunkK / 2 + kFp4GemvChunkK / 32 + 1) + 127) / 128 * 128;
 // Stages: kFp4GemvMaxStages (8) or 0 (the layer keeps the BF16 form). Warpgroup t % 4 takes stage t, and its wait on
 // stage t % S with parity (t / S) & 1 holds only if stage t - S was its own (S a multiple of 4: otherwise another
-// warpgroup's unconsumed use of the stage can pass for this one); 8 is the depth measured (a review of 3f1b0d2's
-// successor found S = 1-7 reachable at top_k x intermediate beyond the DeepSeek shapes, e.g. top_k 40 x 2048: 3).
+// warpgroup's unconsumed use of the stage can pass for this one); 8 is the depth measured (a review of b57f8e0 found
+// S = 1-7 reachable at top_k x intermediate beyond the DeepSeek shapes, e.g. top_k 40 x 2048: 3).
 inline int fp4_gemv_chunk_stages(int64_t token_blocks) {
   const int64_t free = kFp4GemvSmemLimit - fp4_gemv_smem_bytes(0, 32, token_blocks, 0);
   static_assert(kFp4GemvMaxStages % 4 == 0, "whole rounds of the four warpgroups");
