@@ -516,6 +516,16 @@ __device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass
   });
 }
 
+// The producer warp of either ring: the wgmma form's chunk stages or the BF16 / NVFP4 forms' tile stages.
+template <bool kNV, bool kFP8Mma, typename RowsOf>
+__device__ __forceinline__ void produce_form(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
+                                             RowsOf rows_of) {
+  if constexpr (kFP8Mma)
+    produce_chunks(s, p, ids, num_experts, rows_of);
+  else
+    produce<kNV>(s, p, ids, num_experts, rows_of);
+}
+
 // The wgmma form's consumers: warpgroup w / 4 takes the stages t = w / 4 (mod 4) (chunk t % C of an item), warp w its
 // rows 16 (w % 4) .. + 15 of the item's 64 (its rows of an m64 wgmma). Each lane decodes its 32-K block of rows rr and
 // rr + 8 (lane q: block q of each 128-K group) to E4M3 relative to each row's largest scale (e2m1 x 2^(s - e +
@@ -688,10 +698,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(const __gr
   };
   const int warp = threadIdx.x / 32;
   if (warp == kProducerWarp) {
-    if constexpr (kFP8Mma)
-      produce_chunks(s, p, ids, num_experts, rows_of);
-    else
-      produce<kNV>(s, p, ids, num_experts, rows_of);
+    produce_form<kNV, kFP8Mma>(s, p, ids, num_experts, rows_of);
     return;
   }
   if (warp == kEpilogueWarp) {
@@ -742,10 +749,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(const __gr
   if (warp == kProducerWarp) {
     // The producer streams weights before L1 ends (they do not depend on it). It does not wait at all: this grid's end
     // (combine's wait) follows the consumers', which wait.
-    if constexpr (kFP8Mma)
-      produce_chunks(s, p, ids, num_experts, rows_of);
-    else
-      produce<kNV>(s, p, ids, num_experts, rows_of);
+    produce_form<kNV, kFP8Mma>(s, p, ids, num_experts, rows_of);
     return;
   }
   ptx::grid_dependency_wait();  // L1's outputs
