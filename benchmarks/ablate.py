@@ -39,6 +39,10 @@ FP4 GEMV (T=1, sm90_fp4_gemv.cu):
                      consumers' issue or by the bytes?)
   gemv-no-stream     the producer copies nothing (it arrives on each stage's full barrier plainly): the consumers run
                      on whatever the ring holds, never waiting for bytes (their own time alone)
+  gemv-chunks-no-consume  the wgmma form (MXFP4): the consumers take no 128-K group of any chunk (they still wait for
+                     each stage and release it): the chunk ring's streaming rate alone
+  gemv-chunks-no-stream   the wgmma form: the producer copies nothing (it arrives on each stage's full barrier
+                     plainly): the consumers' decode and wgmmas alone
   gemv-nvfp4-no-scratch  NVFP4 tokens: L1's epilogue stores no float32 outputs and amaxes (L2 quantizes whatever the
                      scratch holds): is L1's in-graph excess over w4a8 (~5 µs at V4-Flash T=1) its stores?
   gemv-nvfp4-no-quant    NVFP4 tokens: L2 quantizes nothing (its token fragments are whatever shared memory holds):
@@ -176,6 +180,17 @@ PATCHES = {
     "gemv-no-consume": [
         ("  for (int g = g_begin; g < g_end; ++g) {\n    const int blk = 4 * g + q;",
          "  for (int g = g_begin; g < g_begin; ++g) {\n    const int blk = 4 * g + q;"),
+    ],
+    "gemv-chunks-no-consume": [
+        ("      for (int lg = 0; lg < kChunkBlocks / 4; ++lg) {  // the chunk's 128-K groups",
+         "      for (int lg = 0; lg < 0; ++lg) {  // the chunk's 128-K groups"),
+    ],
+    "gemv-chunks-no-stream": [
+        ("      if (lane == 0) ptx::mbarrier_arrive_expect_tx(&s.full[stage], kBytes);\n"
+         "      __syncwarp();  // the bytes are expected before any copy completes\n",
+         "      if (lane == 0) ptx::mbarrier_arrive(&s.full[stage]);\n      __syncwarp();\n      if (false) {\n"),
+        ("                       kFp4GemvTileRows, &s.full[stage]);\n      }\n      if (++stage == p.stages)",
+         "                       kFp4GemvTileRows, &s.full[stage]);\n      }\n      }\n      if (++stage == p.stages)"),
     ],
     "gemv-nvfp4-no-scratch": [
         ("      scratch[int64_t(slot) * inter + ob * kL1Outputs + lane] = a;\n"
