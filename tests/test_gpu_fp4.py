@@ -999,7 +999,8 @@ def test_fp4_gemv_slots_stats_and_errors(monkeypatch):
 def test_fp4_gemv_many_slots_several_items_a_cta(weight_format, act_format, monkeypatch):
     """top_k 12 with masked and bad slots between valid ones, and more items than SMs (L1: 16 items a slot, L2: 16;
     12 slots: 192 items, so a CTA takes two, skipping the invalid slots' items in between): against the reference with
-    the bad slot masked, recv_stats per valid slot, and the bad id reported (check=True raises)."""
+    the bad slot masked, recv_stats per valid slot, and the bad id reported (check=True raises). y is bitwise the
+    combine's sum of L2's bf16 rows in the combine area (float32 in slot order, valid slots only)."""
     monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
     e = 24
     case = make_case(e, 1024, 512, 12, 1, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=815)
@@ -1013,6 +1014,13 @@ def test_fp4_gemv_many_slots_several_items_a_cta(weight_format, act_format, monk
     kept = valid[valid >= 0].cpu()
     assert torch.equal(stats, torch.bincount(kept, minlength=e).int().cuda())
     assert rel_err(y, case.reference(topk_idx=valid)) <= TOL
+    off, h = case.buffer.layout["combine_offset"], case.x.shape[1]
+    rows = case.buffer.buffer[off:off + 12 * h * 2].view(torch.bfloat16).view(12, h)
+    combined = torch.zeros(h, dtype=torch.float32, device="cuda")
+    for j in range(12):
+        if valid[0, j] >= 0:
+            combined = combined + rows[j].float()
+    assert torch.equal(y[0], combined.bfloat16())
     with pytest.raises(ValueError, match=rf"topk_idx.*got {e} at token 0, slot 4"):
         run_poisoned(case, check=True)
 
