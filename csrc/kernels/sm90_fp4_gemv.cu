@@ -61,6 +61,10 @@ constexpr int kGemvRows = 4 * kFp4GemvTileRows;  // weight rows per item: four m
 constexpr int kL1Outputs = 32;  // L1 outputs per item: one UE8M0 block (32 gate rows and their 32 up rows)
 constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warps (0 is __syncthreads)
 static_assert(heuristics::kFp4GemvPartBytes == 2 * kGemvWarps * kGemvRows * 4, "partial sums: two items");
+// The consumers that read each ring stage and write partial sums of an item: every warp (the BF16 / NVFP4 forms' tile
+// ring: each warp takes a K range) or the 4 warpgroups (the wgmma form's chunk ring: each takes whole chunks).
+template <bool kFP8Mma>
+constexpr int kGemvParts = kFP8Mma ? 4 : kGemvWarps;
 static_assert(heuristics::kFp4GemvTablesOffset >=
                   2 * heuristics::kFp4GemvMaxStages * 8 + 12 * heuristics::kFp4GemvMaxSlots + 16 + 64 + 4 * 8 &&
                   heuristics::kFp4GemvHeaderBytes >= heuristics::kFp4GemvTablesOffset + 8 * kNumFoldTables,
@@ -664,7 +668,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(const __gr
   ptx::grid_dependency_wait();  // pre_dispatch's token, ids and weights
   ptx::launch_dependents();
   init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), p.slots,  // token 0's slots
-            kFP8Mma ? 4 : kGemvWarps);
+            kGemvParts<kFP8Mma>);
   const int* ids = s.ids;
   const int num_experts = static_cast<int>(l.num_experts);
   auto rows_of = [](int ob, int (&r0)[4]) {
@@ -674,9 +678,8 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(const __gr
   const float* weights = reinterpret_cast<const float*>(buffer + l.topk_weights_offset);
   auto epilogue = [&](const float (&part)[kGemvWarps][kGemvRows], int slot, int ob, int lane) {
     const int blocks = inter / kL1Outputs;
-    constexpr int kParts = kFP8Mma ? 4 : kGemvWarps;
-    const float g = __bfloat162float(__float2bfloat16_rn(warps_sum<kParts>(part, lane)));
-    const float u = __bfloat162float(__float2bfloat16_rn(warps_sum<kParts>(part, kL1Outputs + lane)));
+    const float g = __bfloat162float(__float2bfloat16_rn(warps_sum<kGemvParts<kFP8Mma>>(part, lane)));
+    const float u = __bfloat162float(__float2bfloat16_rn(warps_sum<kGemvParts<kFP8Mma>>(part, kL1Outputs + lane)));
     const float a = swiglu_value<kFast>(g, u, __ldcg(weights + slot), clamp);
     const float amax = warp_reduce_max<32>(fabsf(a));
     if constexpr (kNV && kFP4Act) {  // NVFP4's global scale spans the whole row: L2 quantizes (quantize_tokens_nvfp4)
@@ -739,7 +742,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(const __gr
   float* token_f = reinterpret_cast<float*>(s.token + 8 * top_k * (inter / 32));  // the wgmma form's group factors
   // The ids before the dependency wait: pre_dispatch wrote them, and L1 triggered this grid only after its own wait for
   // pre_dispatch (every kernel of the chain triggers after its wait; see combine_kernel).
-  init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), top_k, kFP8Mma ? 4 : kGemvWarps);
+  init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), top_k, kGemvParts<kFP8Mma>);
   const int* ids = s.ids;
   const int num_experts = static_cast<int>(l.num_experts);
   auto rows_of = [](int rb, int (&r0)[4]) {
@@ -760,7 +763,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(const __gr
 #pragma unroll
       for (int r = lane; r < kGemvRows; r += 32)
         out[int64_t(slot) * hidden + rb * kGemvRows + r] =
-            __float2bfloat16_rn(warps_sum<kFP8Mma ? 4 : kGemvWarps>(part, r));
+            __float2bfloat16_rn(warps_sum<kGemvParts<kFP8Mma>>(part, r));
     });
     return;
   }
