@@ -1187,7 +1187,10 @@ def test_fp4_gemv_back_to_back_calls_stream_their_own_experts(weight_format, act
     blocks stored and fenced them) and streams those experts' weights while pre_dispatch still runs. Calls issued back
     to back on one buffer, with no synchronisation between them and each call's experts disjoint from the previous
     call's, each match the reference of their own inputs (ids read before they were stored would be the previous
-    call's: other experts), eagerly and replayed in one CUDA graph (the same bits)."""
+    call's: other experts), eagerly and replayed in one CUDA graph (the same bits). Its negative control (the early
+    read with pre_dispatch triggering right after its wait, before the ids: H100, 2026-11-27) passed as well: pre_dispatch
+    stores the ids within its first instructions, so that race did not show in 8 calls; the test guards the protocol's
+    grosser failures (ids read from the wrong call or place)."""
     monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
     e, h, i, k, calls = 32, 1024, 512, 4, 8
     case = make_case(e, h, i, k, 1, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=9001,
