@@ -1181,6 +1181,49 @@ def test_fp4_gemv_deepseek_v4_graph(model_layer, act_format, monkeypatch):
     assert rel_err(replayed, ref()) <= TOL, name
 
 
+@pytest.mark.parametrize("weight_format,act_format", GEMV_PAIRS)
+def test_fp4_gemv_back_to_back_calls_stream_their_own_experts(weight_format, act_format, monkeypatch):
+    """The GEMV's L1 reads the token's expert ids before its dependency wait (pre_dispatch triggers it only once its
+    blocks stored and fenced them) and streams those experts' weights while pre_dispatch still runs. Calls issued back
+    to back on one buffer, with no synchronisation between them and each call's experts disjoint from the previous
+    call's, each match the reference of their own inputs (ids read before they were stored would be the previous
+    call's: other experts), eagerly and replayed in one CUDA graph (the same bits). Its negative control (the early
+    read with pre_dispatch triggering right after its wait, before the ids: H100, 2026-11-27) passed as well: pre_dispatch
+    stores the ids within its first instructions, so that race did not show in 8 calls; the test guards the protocol's
+    grosser failures (ids read from the wrong call or place)."""
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    e, h, i, k, calls = 32, 1024, 512, 4, 8
+    case = make_case(e, h, i, k, 1, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=9001,
+                     with_ref=False)
+    gen = torch.Generator().manual_seed(9002)
+    groups = torch.randperm(e, generator=gen).view(e // k, k)  # call c takes group c % (e / k): disjoint neighbours
+    xs = [torch.randn(1, h, generator=gen).bfloat16().cuda() for _ in range(calls)]
+    ids = [groups[c % groups.shape[0]].view(1, k).to(torch.int32).cuda() for c in range(calls)]
+    ws = [torch.rand(1, k, generator=gen).cuda() for _ in range(calls)]
+    outs = [torch.full_like(xs[0], float("nan")) for _ in range(calls)]
+
+    def step():
+        for c in range(calls):
+            megamoe.pre_dispatch(xs[c], ids[c], ws[c], case.buffer, weight_format=weight_format)
+            megamoe.fp8_fp4_mega_moe(outs[c], case.l1, case.l2, case.buffer, weight_format=weight_format)
+
+    off = case.buffer.layout["expert_count_offset"]
+    case.buffer.buffer[off:off + 4].fill_(0x7F)  # routing (the tile walk) would rewrite it
+    step()
+    torch.cuda.synchronize()
+    assert bool((case.buffer.buffer[off:off + 4] == 0x7F).all()), "the tile walk took the calls"
+    for c in range(calls):
+        assert rel_err(outs[c], case.reference(topk_idx=ids[c], topk_weights=ws[c], x=xs[c])) <= TOL, c
+    eager = [o.clone() for o in outs]
+    graph = capture_graph(step)
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for c in range(calls):
+        assert torch.equal(outs[c], eager[c]), c
+
+
 @pytest.mark.parametrize("clamp", [None, 3.0])
 @pytest.mark.parametrize("weight_format,act_format", GEMV_PAIRS)
 def test_fp4_gemv_nan_token_is_never_silent(clamp, weight_format, act_format, monkeypatch):

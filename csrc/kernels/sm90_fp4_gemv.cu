@@ -665,8 +665,10 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(const __gr
   extern __shared__ __align__(128) uint8_t smem[];
   const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);
   const GemvSmem s = carve(smem, hidden / 32);
-  ptx::grid_dependency_wait();  // pre_dispatch's token, ids and weights
-  ptx::launch_dependents();
+  // The ids before the dependency wait: pre_dispatch triggers this grid only after its blocks stored and fenced them
+  // (sm90_pre_dispatch.cu), so the producer streams the experts' weights while pre_dispatch still quantizes the token.
+  // NOTES: before, every warp waited for pre_dispatch's end first (V4-Flash T=1 timeline: L1 started 0.6 µs into the
+  // call, pre_dispatch ended at 2.4 µs, and no weight byte was requested before then).
   init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), p.slots,  // token 0's slots
             kGemvParts<kFP8Mma>);
   const int* ids = s.ids;
@@ -700,10 +702,12 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(const __gr
     if (lane == 0) buffer[l.pool_sf_offset + int64_t(slot) * blocks + ob] = ue8m0_bits(scale);
   };
   const int warp = threadIdx.x / 32;
-  if (warp == kProducerWarp) {
+  if (warp == kProducerWarp) {  // weights only: no wait (this grid's end follows the consumers', which wait)
     produce_form<kNV, kFP8Mma>(s, p, ids, num_experts, rows_of);
     return;
   }
+  ptx::grid_dependency_wait();  // pre_dispatch's token, top-k weights and error word
+  ptx::launch_dependents();     // after the wait: L2 reads the ids before its own (fp4_gemv_l2_kernel)
   if (warp == kEpilogueWarp) {
     epilogue_items(s, p, ids, num_experts, epilogue);
     return;

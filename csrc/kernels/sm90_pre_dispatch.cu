@@ -25,7 +25,6 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
   PhaseStamps trace;  // entry, after the dependency wait, end (diagnostic builds only)
   trace.stamp();
   ptx::grid_dependency_wait();
-  ptx::launch_dependents();
   trace.stamp();
   const int token = blockIdx.x;
   // With peers (a table that holds this buffer: get_symm_buffer), this rank's count and slot ids are also stored into
@@ -45,7 +44,7 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
     reinterpret_cast<int*>(buffer + l.error_offset)[threadIdx.x] = 0;
     if (threadIdx.x == 0) *reinterpret_cast<int*>(buffer + l.num_tokens_offset) = num_tokens;
   }
-  if (token >= num_tokens) return;
+  if (token >= num_tokens) return;  // an exited block counts as triggered (launch_dependents below)
   const int hidden = static_cast<int>(l.hidden), top_k = static_cast<int>(l.top_k);
 
   // ---- routing: ids are stored as int32, those outside [-1, num_experts) clamped so that they stay outside
@@ -58,7 +57,14 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
     if (push)
       for (int q = 0; q < num_ranks; ++q) recv_idx(peer_buffer(buffer, l, q), l, rank)[slot] = stored;
     reinterpret_cast<float*>(buffer + l.topk_weights_offset)[slot] = topk_weights[slot];
+    __threadfence();
   }
+  // The dependents launch only once every block's ids are stored and fenced: the FP4 GEMV's L1 reads them before its
+  // dependency wait to stream its experts' weights while this grid still quantizes (sm90_fp4_gemv.cu). Every other
+  // reader waits for this grid's end. NOTES: before, the trigger came right after the wait above; the first thread of a
+  // block to execute it triggers for the block.
+  __syncthreads();
+  ptx::launch_dependents();
 
   // ---- activations
   constexpr int kBlock = kRecipe == ActRecipe::kFP8F32Block128 ? 128 : kRecipe == ActRecipe::kNVFP4 ? 16 : 32;
