@@ -2,9 +2,8 @@
 
 The programmatic launch chain (docs/decisions.md): every kernel triggers its dependents only after its own grid
 dependency wait (right after it, but for pre_dispatch: after its fenced ids), so a running grid implies that every
-earlier kernel of the chain has completed. The GEMM
-producer's tile decode and the combine's first ids read outputs of kernels two or more launches back before their
-own wait, and rely on it.
+earlier kernel of the chain has completed. The GEMM producer's tile decode, the GEMVs' ids and the combine's first ids
+read outputs of kernels two or more launches back before their own wait, and rely on it.
 """
 from __future__ import annotations
 

@@ -60,9 +60,10 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
     __threadfence();
   }
   // The dependents launch only once every block's ids are stored and fenced: the FP4 GEMV's L1 reads them before its
-  // dependency wait to stream its experts' weights while this grid still quantizes (sm90_fp4_gemv.cu). Every other
-  // reader waits for this grid's end. NOTES: before, the trigger came right after the wait above; the first thread of a
-  // block to execute it triggers for the block.
+  // dependency wait to stream its experts' weights while this grid still quantizes (sm90_fp4_gemv.cu); every other
+  // reader waits for this grid's end. The first thread of a block to execute launch_dependents triggers for the whole
+  // block, hence the barrier. NOTES: the trigger used to follow the wait directly; this order took the T=1 GEMV calls
+  // 0.90-0.99x their time (H100 A/B, 2026-11-27, docs/decisions.md: programmatic launch chain).
   __syncthreads();
   ptx::launch_dependents();
 
