@@ -2,13 +2,16 @@
 
 The programmatic launch chain (docs/decisions.md): every kernel triggers its dependents only after its own grid
 dependency wait (right after it, but for pre_dispatch: after its fenced ids), so a running grid implies that every
-earlier kernel of the chain has completed. The GEMM producer's tile decode, the GEMVs' ids and the combine's first ids
-read outputs of kernels two or more launches back before their own wait, and rely on it.
+earlier kernel of the chain has completed. The GEMM producer's tile decode, L2 GEMV's ids and the combine's first ids
+read outputs of kernels two or more launches back before their own wait, and rely on it; L1 GEMV reads its direct
+predecessor's (pre_dispatch's) ids before its wait, relying on the late trigger.
 """
 from __future__ import annotations
 
 import pathlib
 import re
+
+import pytest
 
 KERNELS = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "kernels"
 
@@ -35,9 +38,24 @@ def function_body(text: str, open_brace: int) -> str:
 
 
 # The one kernel whose trigger comes later than right after its wait: pre_dispatch triggers once its blocks stored and
-# fenced the token's ids, which the FP4 GEMV's L1 reads before its own wait (docs/decisions.md). The lines from its
-# wait to its trigger: no return past the ids (a block that returns counts as triggered) and no second wait.
-LATE_TRIGGER = {"sm90_pre_dispatch.cu": "__threadfence();"}
+# fenced the token's ids, which the FP4 GEMV's L1 reads before its own wait (docs/decisions.md). Between its one wait
+# and its trigger: the ids' store, then the fence, then the block barrier right before the trigger, and no return
+# after the fence (an exited block counts as triggered, so a return past the fence would trigger unfenced blocks).
+LATE_TRIGGER = {"sm90_pre_dispatch.cu": ("topk_idx_offset)[", "__threadfence();")}
+
+
+def late_trigger_ok(name: str, lines: list, i: int) -> None:
+    store, fence = LATE_TRIGGER[name]
+    n = lines[i][0]
+    waits = [j for j in range(i) if re.search(r"\bgrid_dependency_wait\(\)", lines[j][1])]
+    assert len(waits) == 1, f"{name}:{n}: one dependency wait before the trigger"
+    between = [t for _, t in lines[waits[0] + 1:i]]
+    stores = [j for j, t in enumerate(between) if store in t and "=" in t]
+    fences = [j for j, t in enumerate(between) if t == fence]
+    assert stores and fences and stores[-1] < fences[0], f"{name}:{n}: the ids are stored, then fenced"
+    assert between[-1] == "__syncthreads();", f"{name}:{n}: a block barrier right before the late trigger"
+    assert not any(re.search(r"\breturn\b", t) for t in between[fences[0]:]), f"{name}:{n}: a return after the fence"
+    assert not any(re.search(r"\blaunch_dependents\(\)", t) for t in between), f"{name}:{n}: an earlier trigger"
 
 
 def test_every_trigger_follows_a_dependency_wait():
@@ -48,17 +66,41 @@ def test_every_trigger_follows_a_dependency_wait():
             if re.search(r"\blaunch_dependents\(\)", text):
                 triggers += 1
                 if path.name in LATE_TRIGGER:
-                    waits = [j for j in range(i) if re.search(r"\bgrid_dependency_wait\(\)", lines[j][1])]
-                    assert len(waits) == 1, f"{path.name}:{n}: one dependency wait before the trigger"
-                    between = [t for _, t in lines[waits[0] + 1:i]]
-                    assert LATE_TRIGGER[path.name] in between and between[-1] == "__syncthreads();", (
-                        f"{path.name}:{n}: the late trigger follows the fenced stores and a block barrier")
-                    assert not any(re.search(r"\blaunch_dependents\(\)", t) for t in between)
+                    late_trigger_ok(path.name, lines, i)
                     continue
                 assert i > 0 and re.search(r"\bgrid_dependency_wait\(\)", lines[i - 1][1]), (
                     f"{path.name}:{n}: launch_dependents() must directly follow grid_dependency_wait() "
                     "(docs/decisions.md, programmatic launch chain)")
-    assert triggers >= 9  # pre_dispatch, routing, gather, combine, FP8 GEMM (2), FP4 GEMM (2), NVFP4 requant, GEMVs
+    # pre_dispatch; routing, gather, combine (sm90_routing.cu); FP8 GEMM (2); FP4 GEMM (2) and its requantization, fold
+    # passes (3, sm90_fp4_grouped_gemm.cu); the GEMVs (2)
+    assert triggers >= 13
+
+
+def test_the_late_trigger_check_rejects_reorderings(tmp_path):
+    """late_trigger_ok on edited copies of pre_dispatch: the fence moved above the ids' store, a return after the
+    fence, the barrier dropped, and the trigger moved above the fence each fail it."""
+    name = "sm90_pre_dispatch.cu"
+    text = (KERNELS / name).read_text()
+    fence = "    __threadfence();\n"
+    assert text.count(fence) == 1 and text.count("  __syncthreads();\n  ptx::launch_dependents();") == 1
+    edits = {
+        "fence-first": text.replace(fence, "").replace("  if (threadIdx.x < top_k) {\n",
+                                                       "  __threadfence();\n  if (threadIdx.x < top_k) {\n", 1),
+        "return": text.replace(fence, fence + "    if (top_k < 0) return;\n"),
+        "no-barrier": text.replace("  __syncthreads();\n  ptx::launch_dependents();", "  ptx::launch_dependents();"),
+        "trigger-first": text.replace("  __syncthreads();\n  ptx::launch_dependents();", "  __syncthreads();").replace(
+            "  if (threadIdx.x < top_k) {\n", "  ptx::launch_dependents();\n  if (threadIdx.x < top_k) {\n", 1),
+    }
+    late_trigger_ok(name, code_lines(KERNELS / name), next(
+        i for i, (_, t) in enumerate(code_lines(KERNELS / name)) if "launch_dependents()" in t))
+    for label, edited in edits.items():
+        assert edited != text, label
+        path = tmp_path / name
+        path.write_text(edited)
+        lines = code_lines(path)
+        trigger = next(i for i, (_, t) in enumerate(lines) if "launch_dependents()" in t)
+        with pytest.raises(AssertionError):
+            late_trigger_ok(name, lines, trigger)
 
 
 def test_every_pdl_kernel_has_a_dependency_wait():
