@@ -78,29 +78,38 @@ def test_every_trigger_follows_a_dependency_wait():
 
 def test_the_late_trigger_check_rejects_reorderings(tmp_path):
     """late_trigger_ok on edited copies of pre_dispatch: the fence moved above the ids' store, a return after the
-    fence, the barrier dropped, and the trigger moved above the fence each fail it."""
+    fence, the barrier dropped, and the trigger moved above the store each fail it."""
     name = "sm90_pre_dispatch.cu"
-    text = (KERNELS / name).read_text()
-    fence = "    __threadfence();\n"
-    assert text.count(fence) == 1 and text.count("  __syncthreads();\n  ptx::launch_dependents();") == 1
+    src = (KERNELS / name).read_text().split("\n")
+    code = [line.split("//", 1)[0].strip() for line in src]
+    store = next(i for i, t in enumerate(code) if LATE_TRIGGER[name][0] in t and "=" in t)
+    fence = code.index(LATE_TRIGGER[name][1])
+    trigger = code.index("ptx::launch_dependents();")
+    assert store < fence < trigger and code[trigger - 1] == "__syncthreads();"
+
+    def edited(remove=None, insert=None):
+        """The source without line `remove`, with `insert` = (line, text) put before that original line."""
+        out = [(i, line) for i, line in enumerate(src) if i != remove]
+        if insert is not None:
+            at = next(k for k, (i, _) in enumerate(out) if i >= insert[0])
+            out.insert(at, (-1, insert[1]))
+        return [line for _, line in out]
+
     edits = {
-        "fence-first": text.replace(fence, "").replace("  if (threadIdx.x < top_k) {\n",
-                                                       "  __threadfence();\n  if (threadIdx.x < top_k) {\n", 1),
-        "return": text.replace(fence, fence + "    if (top_k < 0) return;\n"),
-        "no-barrier": text.replace("  __syncthreads();\n  ptx::launch_dependents();", "  ptx::launch_dependents();"),
-        "trigger-first": text.replace("  __syncthreads();\n  ptx::launch_dependents();", "  __syncthreads();").replace(
-            "  if (threadIdx.x < top_k) {\n", "  ptx::launch_dependents();\n  if (threadIdx.x < top_k) {\n", 1),
+        "fence-first": edited(fence, (store, "__threadfence();")),
+        "return": edited(insert=(fence + 1, "if (top_k < 0) return;")),
+        "no-barrier": edited(trigger - 1),
+        "trigger-first": edited(trigger, (store, "ptx::launch_dependents();")),
     }
-    late_trigger_ok(name, code_lines(KERNELS / name), next(
-        i for i, (_, t) in enumerate(code_lines(KERNELS / name)) if "launch_dependents()" in t))
-    for label, edited in edits.items():
-        assert edited != text, label
+    lines = code_lines(KERNELS / name)
+    late_trigger_ok(name, lines, next(i for i, (_, t) in enumerate(lines) if "launch_dependents()" in t))
+    for label, text in edits.items():
         path = tmp_path / name
-        path.write_text(edited)
+        path.write_text("\n".join(text))
         lines = code_lines(path)
-        trigger = next(i for i, (_, t) in enumerate(lines) if "launch_dependents()" in t)
+        first = next(i for i, (_, t) in enumerate(lines) if "launch_dependents()" in t)
         with pytest.raises(AssertionError):
-            late_trigger_ok(name, lines, trigger)
+            late_trigger_ok(name, lines, first)
 
 
 def test_every_pdl_kernel_has_a_dependency_wait():
