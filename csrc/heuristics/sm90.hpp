@@ -305,10 +305,12 @@ constexpr int kFp4GemvChunkStageBytes = (64 * (kFp4GemvChunkK / 2 + kFp4GemvChun
 // stage t % S with parity (t / S) & 1 holds only if stage t - S was its own (S a multiple of 4: otherwise another
 // warpgroup's unconsumed use of the stage can pass for this one); 8 is the depth measured (a review of b57f8e0 found
 // S = 1-7 reachable at top_k x intermediate beyond the DeepSeek shapes, e.g. top_k 40 x 2048: 3).
+constexpr int fp4_gemv_chunk_smem_bytes(int64_t token_blocks, int stages) {
+  return fp4_gemv_smem_bytes(0, 32, token_blocks, 0) + stages * kFp4GemvChunkStageBytes;
+}
 inline int fp4_gemv_chunk_stages(int64_t token_blocks) {
-  const int64_t free = kFp4GemvSmemLimit - fp4_gemv_smem_bytes(0, 32, token_blocks, 0);
   static_assert(kFp4GemvMaxStages % 4 == 0, "whole rounds of the four warpgroups");
-  return free >= int64_t(kFp4GemvMaxStages) * kFp4GemvChunkStageBytes ? kFp4GemvMaxStages : 0;
+  return fp4_gemv_chunk_smem_bytes(token_blocks, kFp4GemvMaxStages) <= kFp4GemvSmemLimit ? kFp4GemvMaxStages : 0;
 }
 // scale_block: the weights' (32: MXFP4, 16: NVFP4); supported: MXFP4 or NVFP4 weights with FP8 tokens or tokens of
 // their own FP4 format.

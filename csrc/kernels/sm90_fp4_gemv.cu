@@ -843,11 +843,9 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
   const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, sb, stages2, (runs & 2) != 0};
   // Persistent CTAs, one an SM (the ring takes most of its shared memory), over items x top_k items.
   const dim3 g1(std::min(num_sms, p1.items * top_k)), g2(std::min(num_sms, p2.items * top_k));
-  const int smem1 = w1 ? heuristics::fp4_gemv_smem_bytes(0, 32, hidden / 32, 0) +
-                             stages1 * heuristics::kFp4GemvChunkStageBytes
+  const int smem1 = w1 ? heuristics::fp4_gemv_chunk_smem_bytes(hidden / 32, stages1)
                        : heuristics::fp4_gemv_smem_bytes(hidden, sb, hidden / 32, l1_stages);
-  const int smem2 = w2 ? heuristics::fp4_gemv_smem_bytes(0, 32, top_k * (inter / 32), 0) +
-                             stages2 * heuristics::kFp4GemvChunkStageBytes
+  const int smem2 = w2 ? heuristics::fp4_gemv_chunk_smem_bytes(top_k * (inter / 32), stages2)
                        : heuristics::fp4_gemv_smem_bytes(inter, sb, top_k * (inter / 32), l2_stages);
   using L1 = decltype(&launch_l1<false, false, false, false>);
   static constexpr L1 kL1[2][2][3] = {  // [fast_math][act_fp4][form]
