@@ -17,7 +17,8 @@ from .ops import ACT_FORMATS, BUFFER_LAYOUT_FIELDS, ops
 
 ERROR_CODES = {1: "expert id outside [-1, num_experts)", 2: "token count above the buffer's capacity",
                3: "buffer's peer table does not hold this buffer (not allocated by get_symm_buffer)",
-               4: "timed out waiting for a peer rank (did every rank of the group call the op?)"}
+               4: "timed out waiting for a peer rank (did every rank of the group call the op?)",
+               5: "the FP4 GEMV read an expert id before pre_dispatch's store of it was visible"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,6 +88,8 @@ class MegaMoEBuffer:
         if code == 2:
             raise ValueError(f"{what}: got {value} from rank {slot if slot >= 0 else self.rank} "
                              f"(max_tokens_per_rank = {self.max_tokens_per_rank})")
+        if code == 5:
+            raise RuntimeError(f"{what} (slot {slot}: read {value}); the call's output is not valid, please report it")
         if code in (3, 4):
             raise RuntimeError(f"{what}: rank {value} (this rank: {self.rank} of {self.num_ranks}); "
                                f"the call's output is not valid")

@@ -340,6 +340,7 @@ def test_valid_call_writes(fmt):
     (2, ValueError, r"token count above the buffer's capacity: got 9 from rank 1"),
     (3, RuntimeError, r"buffer's peer table does not hold this buffer .*: rank 9 \(this rank: 0 of 1\)"),
     (4, RuntimeError, r"timed out waiting for a peer rank .*: rank 9 \(this rank: 0 of 1\)"),
+    (5, RuntimeError, r"the FP4 GEMV read an expert id before pre_dispatch's store of it was visible \(slot 1: read 9\)"),
     (77, ValueError, r"unknown error code 77: got 9"),
 ])
 def test_error_word_messages(code, exc, pattern):

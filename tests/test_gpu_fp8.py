@@ -213,11 +213,13 @@ def test_capacity_larger_than_tokens():
 
 @pytest.mark.parametrize("weight_format,act_format", [("fp8", "fp8"), ("mxfp4", "fp8"), ("mxfp4", "fp4"),
                                                     ("nvfp4", "fp8"), ("nvfp4", "fp4")])
-def test_pre_dispatch_matches_cpu_bitwise(weight_format, act_format):
-    """The CUDA pre_dispatch kernel writes the same bytes as the CPU op (same divisions and rounding)."""
-    case = make_case(8, 512, 256, 3, 37, weight_format, act_format, device="cuda", seed=13, with_ref=False)
+@pytest.mark.parametrize("e,h,k", [(8, 512, 3), (64, 256, 40)], ids=["small", "top_k-over-the-block"])
+def test_pre_dispatch_matches_cpu_bitwise(weight_format, act_format, e, h, k):
+    """The CUDA pre_dispatch kernel writes the same bytes as the CPU op (same divisions and rounding); at hidden 256
+    its block has 32 threads, fewer than top_k 40 (every slot stored all the same)."""
+    case = make_case(e, h, 256, k, 37, weight_format, act_format, device="cuda", seed=13, with_ref=False)
     megamoe.pre_dispatch(case.x, case.topk_idx, case.topk_weights, case.buffer, weight_format=weight_format)
-    cpu = megamoe.get_symm_buffer(None, 8, 37, 3, 512, 256, act_format=act_format, device="cpu")
+    cpu = megamoe.get_symm_buffer(None, e, 37, k, h, 256, act_format=act_format, device="cpu")
     megamoe.pre_dispatch(case.x.cpu(), case.topk_idx.cpu(), case.topk_weights.cpu(), cpu, weight_format=weight_format)
     end = case.buffer.layout["pool_src_offset"]  # everything pre_dispatch writes lies before the pool
     assert torch.equal(case.buffer.buffer[:end].cpu(), cpu.buffer[:end])

@@ -51,7 +51,7 @@ def late_trigger_ok(name: str, lines: list, i: int) -> None:
     assert len(waits) == 1, f"{name}:{n}: one dependency wait before the trigger"
     between = [t for _, t in lines[waits[0] + 1:i]]
     stores = [j for j, t in enumerate(between) if store in t and "=" in t]
-    fences = [j for j, t in enumerate(between) if t == fence]
+    fences = [j for j, t in enumerate(between) if t.endswith(fence)]  # maybe guarded: `if (writer) __threadfence();`
     assert stores and fences and stores[-1] < fences[0], f"{name}:{n}: the ids are stored, then fenced"
     assert between[-1] == "__syncthreads();", f"{name}:{n}: a block barrier right before the late trigger"
     assert not any(re.search(r"\breturn\b", t) for t in between[fences[0]:]), f"{name}:{n}: a return after the fence"
@@ -83,7 +83,7 @@ def test_the_late_trigger_check_rejects_reorderings(tmp_path):
     src = (KERNELS / name).read_text().split("\n")
     code = [line.split("//", 1)[0].strip() for line in src]
     store = next(i for i, t in enumerate(code) if LATE_TRIGGER[name][0] in t and "=" in t)
-    fence = code.index(LATE_TRIGGER[name][1])
+    fence = next(i for i, t in enumerate(code) if t.endswith(LATE_TRIGGER[name][1]))
     trigger = code.index("ptx::launch_dependents();")
     assert store < fence < trigger and code[trigger - 1] == "__syncthreads();"
 

@@ -709,6 +709,12 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(const __gr
   ptx::grid_dependency_wait();  // pre_dispatch's token, top-k weights and error word
   ptx::launch_dependents();     // after the wait: L2 reads the ids before its own (fp4_gemv_l2_kernel)
   if (warp == kEpilogueWarp) {
+    // Every CTA read the ids before the wait (init_ring): re-read after it, a store that was not visible then is
+    // reported. By the epilogue warp, which idles until its first item's partials: in the consumers' branch the L2
+    // round trip cost NVFP4 w4a4 2.7 us per call, at the producer's end ~1 % (V4-Flash T=1, H100 A/B, 2026-11-27).
+    for (int slot = threadIdx.x % 32; slot < p.slots; slot += 32)
+      if (__ldcg(reinterpret_cast<const int*>(buffer + l.topk_idx_offset) + slot) != ids[slot])
+        record_error(buffer, l, layout::kErrorEarlyIds, ids[slot], 0, slot);
     epilogue_items(s, p, ids, num_experts, epilogue);
     return;
   }

@@ -49,16 +49,18 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
 
   // ---- routing: ids are stored as int32, those outside [-1, num_experts) clamped so that they stay outside
   // (every reader skips them; the routing kernel reports them in the error word, first one wins)
-  if (threadIdx.x < top_k) {
-    const int64_t slot = int64_t(token) * top_k + threadIdx.x;
+  // A loop over the slots: the block has min(hidden / 8, 1024) threads rounded up to a warp, below top_k at hidden
+  // 128-256 with top_k > 32 (before, slots past the block were never stored there).
+  auto stored_id = [&](int64_t slot) {
     const int64_t id = static_cast<int64_t>(topk_idx[slot]);
-    const int stored = static_cast<int>(id < INT32_MIN ? INT32_MIN : id > INT32_MAX ? INT32_MAX : id);
-    reinterpret_cast<int*>(buffer + l.topk_idx_offset)[slot] = stored;
-    if (push)
-      for (int q = 0; q < num_ranks; ++q) recv_idx(peer_buffer(buffer, l, q), l, rank)[slot] = stored;
+    return static_cast<int>(id < INT32_MIN ? INT32_MIN : id > INT32_MAX ? INT32_MAX : id);
+  };
+  for (int j = threadIdx.x; j < top_k; j += blockDim.x) {
+    const int64_t slot = int64_t(token) * top_k + j;
+    reinterpret_cast<int*>(buffer + l.topk_idx_offset)[slot] = stored_id(slot);
     reinterpret_cast<float*>(buffer + l.topk_weights_offset)[slot] = topk_weights[slot];
-    __threadfence();
   }
+  if (threadIdx.x < top_k) __threadfence();  // by the writers only, as before the loop
   // The dependents launch only once every block's ids are stored and fenced: the FP4 GEMV's L1 reads them before its
   // dependency wait to stream its experts' weights while this grid still quantizes (sm90_fp4_gemv.cu); every other
   // reader waits for this grid's end. The first thread of a block to execute launch_dependents triggers for the whole
@@ -66,6 +68,14 @@ __global__ void __launch_bounds__(kMaxThreads) pre_dispatch_kernel(const __nv_bf
   // 0.90-0.99x their time (H100 A/B, 2026-11-27, docs/decisions.md: programmatic launch chain).
   __syncthreads();
   ptx::launch_dependents();
+  // With peers, the ids into every rank's buffer after the trigger: routing reads them only after barrier 0, which
+  // follows this grid's end, and the fence above then waits for local stores only (not for NVLink's).
+  if (push)
+    for (int j = threadIdx.x; j < top_k; j += blockDim.x) {
+      const int64_t slot = int64_t(token) * top_k + j;
+      const int stored = stored_id(slot);
+      for (int q = 0; q < num_ranks; ++q) recv_idx(peer_buffer(buffer, l, q), l, rank)[slot] = stored;
+    }
 
   // ---- activations
   constexpr int kBlock = kRecipe == ActRecipe::kFP8F32Block128 ? 128 : kRecipe == ActRecipe::kNVFP4 ? 16 : 32;

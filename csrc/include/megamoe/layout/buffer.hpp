@@ -21,6 +21,8 @@ enum ErrorCode : int32_t {
   kErrorTokenCount = 2,   // value: the count (a peer's, in expert parallelism)
   kErrorPeerPointers = 3, // value: the rank; the buffer's peer table does not hold this buffer
   kErrorTimeout = 4,      // value: the peer rank a cross-rank wait gave up on
+  kErrorEarlyIds = 5,     // value: the id the FP4 GEMV's L1 read before its dependency wait (slot: which); the call
+                          // streamed another expert's weights (an ordering PTX does not promise: docs/decisions.md)
 };
 
 constexpr int64_t kAlignment = 128;  // every region starts on a 128-byte boundary (TMA needs 16)
