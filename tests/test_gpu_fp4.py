@@ -1114,6 +1114,35 @@ def test_fp4_gemv_mxfp4_wgmma_and_bf16_forms(shape, act_format, monkeypatch):
         assert rel_err(outs[forms], outs["0"]) <= TOL
 
 
+@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("shape", [(16, 1024, 512, 4), (16, 1152, 1536, 4), (24, 2560, 512, 6), (64, 512, 1024, 64),
+                                   (8, 4096, 2048, 6)],
+                         ids=["two-and-one-chunks", "row-scales-three-chunks", "five-chunks", "l2-no-room",
+                              "v4-flash-layers"])
+def test_fp4_gemv_nvfp4_wgmma_and_bf16_forms(shape, act_format, monkeypatch):
+    """NVFP4 on the GEMV's two forms, by layer (MEGAMOE_FP4_GEMV_NV_FP8MMA, bit 0 L1, bit 1 L2 with FP8 tokens): FP8
+    wgmmas on the unscaled E2M1 weights against B operands that keep each token lane's K in its own column (each
+    accumulator column one 16-K block's sum, scaled in float32 by its UE4M3 weight scale and the token's), and BF16
+    mma.sync on exact products: each setting against the reference and bitwise run to run (poisoned outputs), and
+    within the tolerance of the BF16 form. Chunks an item: L1 2 / - (hidden 1152) / 5 / 1 / 8, L2 1 / 3 (row-major
+    scales: hidden 1152 is not whole 256-row scale tiles) / 1 / 2 (top_k 64: no room for 8 chunk stages beside the
+    token, the BF16 form) / 4, so that warpgroups take one, several or no chunks of an item. NVFP4 tokens: L2 keeps the
+    BF16 form (its quantizer writes that form's fragments)."""
+    e, h, i, k = shape
+    case = make_case(e, h, i, k, 1, "nvfp4", act_format, device="cuda", masked_fraction=0.0, seed=929 + h)
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    outs = {}
+    for forms in "0123":
+        monkeypatch.setenv("MEGAMOE_FP4_GEMV_NV_FP8MMA", forms)
+        y, routed = run_marked(case)
+        assert not routed
+        assert rel_err(y, case.reference()) <= TOL, forms
+        assert torch.equal(run_poisoned(case), y), forms
+        outs[forms] = y
+    for forms in "123":
+        assert rel_err(outs[forms], outs["0"]) <= TOL, forms
+
+
 @pytest.mark.parametrize("scale_byte", [161, 200, 255])
 def test_fp4_gemv_scale_range(scale_byte, monkeypatch):
     """The GEMV decodes each weight relative to its row's largest scale (transform_weights' row exponents) and
