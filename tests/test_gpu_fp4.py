@@ -1141,6 +1141,8 @@ def test_fp4_gemv_nvfp4_wgmma_and_bf16_forms(shape, act_format, monkeypatch):
         outs[forms] = y
     for forms in "123":
         assert rel_err(outs[forms], outs["0"]) <= TOL, forms
+    if act_format == "fp8" and h == 4096:  # both layers on it, K 4096 / 2048: the sums' order and FP8-wgmma rounding
+        assert not torch.equal(outs["3"], outs["0"])  # show in some of the 4096 outputs (the switch took effect)
 
 
 @pytest.mark.parametrize("scale_byte", [161, 200, 255])
@@ -1221,10 +1223,9 @@ def test_fp4_gemv_back_to_back_calls_stream_their_own_experts(weight_format, act
     read with pre_dispatch triggering right after its wait, before the ids: H100, 2026-11-27) passed as well: pre_dispatch
     stores the ids within its first instructions, so that race did not show in 8 calls; the test guards the protocol's
     grosser failures (ids read from the wrong call or place)."""
-    if weight_format == "nvfp4" and fp8_mma == "0":
-        pytest.skip("NVFP4 has one GEMV form")
     monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
-    monkeypatch.setenv("MEGAMOE_FP4_GEMV_FP8MMA", fp8_mma)  # MXFP4: both producers (produce / produce_chunks)
+    monkeypatch.setenv("MEGAMOE_FP4_GEMV_FP8MMA", fp8_mma)  # both producers (produce / produce_chunks)
+    monkeypatch.setenv("MEGAMOE_FP4_GEMV_NV_FP8MMA", fp8_mma)
     e, h, i, k, calls = 32, 1024, 512, 4, 8
     case = make_case(e, h, i, k, 1, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=9001,
                      with_ref=False)
@@ -1259,13 +1260,14 @@ def test_fp4_gemv_back_to_back_calls_stream_their_own_experts(weight_format, act
     assert case.buffer.error_word().tolist() == [0, 0, 0, 0]  # no id read early differed from the stored one
 
 
+@pytest.mark.parametrize("hidden", [256, 1024], ids=["bf16-form", "wgmma-l1"])
 @pytest.mark.parametrize("clamp", [None, 3.0])
 @pytest.mark.parametrize("weight_format,act_format", GEMV_PAIRS)
-def test_fp4_gemv_nan_token_is_never_silent(clamp, weight_format, act_format, monkeypatch):
+def test_fp4_gemv_nan_token_is_never_silent(clamp, weight_format, act_format, hidden, monkeypatch):
     """A NaN in the token's hidden state makes its output non-finite on the GEMV path (the token's scale, the clamp
-    and the L1 requantization keep it), as on the tile walk."""
+    and the L1 requantization keep it), as on the tile walk; hidden 1024: L1 on the wgmma forms (whole 512-K chunks)."""
     monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
-    case = make_case(8, 256, 384, 3, 1, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=814)
+    case = make_case(8, hidden, 384, 3, 1, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=814)
     case.x = case.x.clone()
     case.x[0, 17] = float("nan")
     y, routed = run_marked(case, activation_clamp=clamp)

@@ -32,7 +32,9 @@
 // must round alike whatever their token counts).
 // MXFP4 layers whose K is whole 512-K chunks run on FP8 wgmmas instead (heuristics::fp4_gemv_fp8_mma; produce_chunks,
 // consume_chunks): a ring of chunk stages (an item's 64 rows over 512 K), weights folded to E4M3 in registers, the token
-// folded per 128-K group, the FP8-wgmma walk's roundings.
+// folded per 128-K group, the FP8-wgmma walk's roundings. NVFP4 layers likewise (heuristics::fp4_gemv_nv_fp8_mma;
+// consume_chunks_nv): weights unscaled in E4M3, each accumulator column one 16-K block's sum (build_token_nv's B),
+// scaled by its UE4M3 byte in float32.
 // L1 epilogue as the tile walk's (swiglu_value on the bf16-rounded gate and up; UE8M0 scale per 32 outputs,
 // ceil_pow2(amax / 448); E4M3 by the exact reciprocal), not folded: L2 reads E4M3 bytes [slot][I] (w4a4: E2M1
 // [slot][I / 2]) and scale bytes [slot][I / 32] in the pool's regions (nothing else reads them in this call).
@@ -459,9 +461,10 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
   });
 }
 
-// The wgmma form's ring (MXFP4 weights; heuristics::fp4_gemv_fp8_mma): stage t holds chunk t % C of the t / C-th valid
-// item (C = k / kFp4GemvChunkK chunks an item): its 64 rows over the chunk's 512 K ([64][256] bytes), their 16 scale
-// bytes each ([64][16]) and their row exponents ([64]); warpgroup t % 4 consumes it (consume_chunks).
+// The wgmma forms' ring (heuristics::fp4_gemv_fp8_mma / fp4_gemv_nv_fp8_mma): stage t holds chunk t % C of the t / C-th
+// valid item (C = k / kFp4GemvChunkK chunks an item): its 64 rows over the chunk's 512 K ([64][256] bytes), then MXFP4
+// their 16 scale bytes each ([64][16]) and their row exponents ([64]), NVFP4 their 32 ([tile][piece][16 rows][16]);
+// warpgroup t % 4 consumes it (consume_chunks / consume_chunks_nv).
 constexpr int kChunkRowBytes = heuristics::kFp4GemvChunkK / 2, kChunkBlocks = heuristics::kFp4GemvChunkK / 32;
 constexpr int kChunkScaleOffset = kGemvRows * kChunkRowBytes, kChunkExpOffset = kChunkScaleOffset + kGemvRows * kChunkBlocks;
 static_assert(kChunkExpOffset + kGemvRows <= heuristics::kFp4GemvChunkStageBytes && kChunkBlocks == kScaleTileBytes,
@@ -645,7 +648,8 @@ __device__ __forceinline__ void consume_chunks(const GemvSmem& s, const GemvPass
 // 16-31) rows 0-3, 64 bytes apart (lbo); rows 4-7 (columns 4-7, ignored) read the 64 bytes that follow. Row c of each
 // holds its lane's 4 bytes in word c. Then a float32 factor a 16-K block: [blocks][2] after the B area. FP8 tokens:
 // E4M3 bytes as they are, factor 2^(s - 127) of their UE8M0 byte; E2M1 tokens (NVFP4 w4a4, L1): E4M3 of the code
-// (exact), factor the UE4M3 scale (the token's global scale multiplies the sums). Exact: no fold, no rounding.
+// (exact), factor the UE4M3 scale (the token's global scale multiplies the sums). No fold: exact products, the 16-term
+// sums in the FP8 wgmma's accumulator, the rest in float32.
 template <bool kFP4Act>
 __device__ __forceinline__ void build_token_nv(uint8_t* dst, float* factors, uint2 table, const uint8_t* x,
                                                const uint8_t* x_sf, int blocks) {
