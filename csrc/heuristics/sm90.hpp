@@ -375,9 +375,13 @@ inline int fp4_gemv_fp8_mma() {
 // consume_chunks_nv) instead of the BF16 decode on mma.sync. E2M1 is exact in E4M3 and UE4M3 is not a power of two, so
 // the weights go in unscaled (one fixed table) and the scales stay out of the MMA: B holds the token once a column,
 // each column one lane's 8 K of a k32 step (the rest zero), so that each accumulator column is one 16-K block's sum of
-// a row, scaled in float32 by its UE4M3 weight scale and the token's. Exact products, FP8-wgmma sums of 16. Count:
-// ~150 instructions a 128-K group and lane against the BF16 form's ~192 (no per-weight scale multiply, the PRMT
-// decode). MEGAMOE_FP4_GEMV_NV_FP8MMA (read per call: 0-3) overrides.
+// a row, scaled in float32 by its UE4M3 weight scale and the token's. Exact products, sums of 16 in the FP8 wgmma's
+// accumulator. Count: ~140 SASS instructions a 128-K group and lane against the BF16 form's ~192 (no per-weight scale
+// multiply, the PRMT decode). V4-Pro's L2 (top_k x 3072 of token at 4.25 bytes a K) leaves no room for 8 stages: BF16.
+// NOTES (H100, 2026-11-27, perf-notes fifty-first session, T=1, 2-3 rounds, time per replay over the BF16 form; in a
+// graph): V4-Flash w4a8 0.899 (0.887), x floor 1.614 -> 1.440; w4a4 (L1 only) 0.907 (0.897), 1.838 -> 1.653; V4-Pro
+// w4a8 / w4a4 (L1 only) 0.974 / 0.964. L1 alone / L2 alone at V4-Flash w4a8: 0.927 / 0.929.
+// MEGAMOE_FP4_GEMV_NV_FP8MMA (read per call: 0-3) overrides.
 inline int fp4_gemv_nv_fp8_mma() {
   const char* env = std::getenv("MEGAMOE_FP4_GEMV_NV_FP8MMA");
   if (env != nullptr && env[0] >= '0' && env[0] <= '3') return env[0] - '0';
