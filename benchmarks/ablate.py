@@ -189,8 +189,8 @@ PATCHES = {
         ("      if (lane == 0) ptx::mbarrier_arrive_expect_tx(&s.full[stage], kBytes);\n"
          "      __syncwarp();  // the bytes are expected before any copy completes\n",
          "      if (lane == 0) ptx::mbarrier_arrive(&s.full[stage]);\n      __syncwarp();\n      if (false) {\n"),
-        ("                       kFp4GemvTileRows, &s.full[stage]);\n      }\n      if (++stage == p.stages)",
-         "                       kFp4GemvTileRows, &s.full[stage]);\n      }\n      }\n      if (++stage == p.stages)"),
+        ("                         kFp4GemvTileRows, &s.full[stage]);\n        }\n      }\n      if (++stage == p.stages)",
+         "                         kFp4GemvTileRows, &s.full[stage]);\n        }\n      }\n      }\n      if (++stage == p.stages)"),
     ],
     "gemv-nvfp4-no-scratch": [
         ("      scratch[int64_t(slot) * inter + ob * kL1Outputs + lane] = a;\n"

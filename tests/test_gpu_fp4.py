@@ -1114,6 +1114,37 @@ def test_fp4_gemv_mxfp4_wgmma_and_bf16_forms(shape, act_format, monkeypatch):
         assert rel_err(outs[forms], outs["0"]) <= TOL
 
 
+@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("shape", [(16, 1024, 512, 4), (16, 1152, 1536, 4), (24, 2560, 512, 6), (64, 512, 1024, 64),
+                                   (8, 4096, 2048, 6)],
+                         ids=["two-and-one-chunks", "row-scales-three-chunks", "five-chunks", "l2-no-room",
+                              "v4-flash-layers"])
+def test_fp4_gemv_nvfp4_wgmma_and_bf16_forms(shape, act_format, monkeypatch):
+    """NVFP4 on the GEMV's two forms, by layer (MEGAMOE_FP4_GEMV_NV_FP8MMA, bit 0 L1, bit 1 L2 with FP8 tokens): FP8
+    wgmmas on the unscaled E2M1 weights against B operands that keep each token lane's K in its own column (each
+    accumulator column one 16-K block's sum, scaled in float32 by its UE4M3 weight scale and the token's), and BF16
+    mma.sync on exact products: each setting against the reference and bitwise run to run (poisoned outputs), and
+    within the tolerance of the BF16 form. Chunks an item: L1 2 / - (hidden 1152) / 5 / 1 / 8, L2 1 / 3 (row-major
+    scales: hidden 1152 is not whole 256-row scale tiles) / 1 / 2 (top_k 64: no room for 8 chunk stages beside the
+    token, the BF16 form) / 4, so that warpgroups take one, several or no chunks of an item. NVFP4 tokens: L2 keeps the
+    BF16 form (its quantizer writes that form's fragments)."""
+    e, h, i, k = shape
+    case = make_case(e, h, i, k, 1, "nvfp4", act_format, device="cuda", masked_fraction=0.0, seed=929 + h)
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    outs = {}
+    for forms in "0123":
+        monkeypatch.setenv("MEGAMOE_FP4_GEMV_NV_FP8MMA", forms)
+        y, routed = run_marked(case)
+        assert not routed
+        assert rel_err(y, case.reference()) <= TOL, forms
+        assert torch.equal(run_poisoned(case), y), forms
+        outs[forms] = y
+    for forms in "123":
+        assert rel_err(outs[forms], outs["0"]) <= TOL, forms
+    if act_format == "fp8" and h == 4096:  # both layers on it, K 4096 / 2048: the sums' order and FP8-wgmma rounding
+        assert not torch.equal(outs["3"], outs["0"])  # show in some of the 4096 outputs (the switch took effect)
+
+
 @pytest.mark.parametrize("scale_byte", [161, 200, 255])
 def test_fp4_gemv_scale_range(scale_byte, monkeypatch):
     """The GEMV decodes each weight relative to its row's largest scale (transform_weights' row exponents) and
@@ -1192,10 +1223,9 @@ def test_fp4_gemv_back_to_back_calls_stream_their_own_experts(weight_format, act
     read with pre_dispatch triggering right after its wait, before the ids: H100, 2026-11-27) passed as well: pre_dispatch
     stores the ids within its first instructions, so that race did not show in 8 calls; the test guards the protocol's
     grosser failures (ids read from the wrong call or place)."""
-    if weight_format == "nvfp4" and fp8_mma == "0":
-        pytest.skip("NVFP4 has one GEMV form")
     monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
-    monkeypatch.setenv("MEGAMOE_FP4_GEMV_FP8MMA", fp8_mma)  # MXFP4: both producers (produce / produce_chunks)
+    monkeypatch.setenv("MEGAMOE_FP4_GEMV_FP8MMA", fp8_mma)  # both producers (produce / produce_chunks)
+    monkeypatch.setenv("MEGAMOE_FP4_GEMV_NV_FP8MMA", fp8_mma)
     e, h, i, k, calls = 32, 1024, 512, 4, 8
     case = make_case(e, h, i, k, 1, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=9001,
                      with_ref=False)
@@ -1230,13 +1260,14 @@ def test_fp4_gemv_back_to_back_calls_stream_their_own_experts(weight_format, act
     assert case.buffer.error_word().tolist() == [0, 0, 0, 0]  # no id read early differed from the stored one
 
 
+@pytest.mark.parametrize("hidden", [256, 1024], ids=["bf16-form", "wgmma-l1"])
 @pytest.mark.parametrize("clamp", [None, 3.0])
 @pytest.mark.parametrize("weight_format,act_format", GEMV_PAIRS)
-def test_fp4_gemv_nan_token_is_never_silent(clamp, weight_format, act_format, monkeypatch):
+def test_fp4_gemv_nan_token_is_never_silent(clamp, weight_format, act_format, hidden, monkeypatch):
     """A NaN in the token's hidden state makes its output non-finite on the GEMV path (the token's scale, the clamp
-    and the L1 requantization keep it), as on the tile walk."""
+    and the L1 requantization keep it), as on the tile walk; hidden 1024: L1 on the wgmma forms (whole 512-K chunks)."""
     monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
-    case = make_case(8, 256, 384, 3, 1, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=814)
+    case = make_case(8, hidden, 384, 3, 1, weight_format, act_format, device="cuda", masked_fraction=0.0, seed=814)
     case.x = case.x.clone()
     case.x[0, 17] = float("nan")
     y, routed = run_marked(case, activation_clamp=clamp)

@@ -297,20 +297,33 @@ inline int fp4_gemv_stages(int64_t k, int scale_block, int64_t token_blocks) {
   return free <= 0 ? 0
                    : static_cast<int>(std::min<int64_t>(kFp4GemvMaxStages, free / fp4_gemv_stage_bytes(k, scale_block)));
 }
-// The wgmma form's ring (MXFP4; sm90_fp4_gemv.cu, produce_chunks): a stage holds an item's 64 rows over one K chunk of
-// kFp4GemvChunkK (rows, their 16 scale bytes, their 64 row exponents), so that a warpgroup starts on one stage.
+// The wgmma form's ring (sm90_fp4_gemv.cu, produce_chunks): a stage holds an item's 64 rows over one K chunk of
+// kFp4GemvChunkK (rows, their scale bytes: MXFP4 16 a row and the 64 row exponents; NVFP4 32 a row), so that a
+// warpgroup starts on one stage.
 constexpr int kFp4GemvChunkK = 512;
-constexpr int kFp4GemvChunkStageBytes = (64 * (kFp4GemvChunkK / 2 + kFp4GemvChunkK / 32 + 1) + 127) / 128 * 128;
+constexpr int fp4_gemv_chunk_stage_bytes(bool nv) {
+  return nv ? 64 * (kFp4GemvChunkK / 2 + kFp4GemvChunkK / 16)
+            : (64 * (kFp4GemvChunkK / 2 + kFp4GemvChunkK / 32 + 1) + 127) / 128 * 128;
+}
+constexpr int kFp4GemvChunkStageBytes = fp4_gemv_chunk_stage_bytes(false);
+static_assert(fp4_gemv_chunk_stage_bytes(true) % 128 == 0, "stages start 128-byte aligned (TMA)");
+// The token area of the wgmma form: MXFP4 the folded bytes and a factor a 128-K group (within fp4_gemv_token_bytes);
+// NVFP4 B operands with one token lane's bytes a column (128 bytes a 32-K step: consume_chunks_nv) and a float factor
+// a 16-K block, rounded up to 128 bytes (the ring follows it).
+constexpr int fp4_gemv_chunk_token_bytes(int64_t token_blocks, bool nv) {
+  return nv ? static_cast<int>((token_blocks * (128 + 8) + 127) / 128 * 128) : fp4_gemv_token_bytes(token_blocks);
+}
 // Stages: kFp4GemvMaxStages (8) or 0 (the layer keeps the BF16 form). Warpgroup t % 4 takes stage t, and its wait on
 // stage t % S with parity (t / S) & 1 holds only if stage t - S was its own (S a multiple of 4: otherwise another
 // warpgroup's unconsumed use of the stage can pass for this one); 8 is the depth measured (a review of b57f8e0 found
 // S = 1-7 reachable at top_k x intermediate beyond the DeepSeek shapes, e.g. top_k 40 x 2048: 3).
-constexpr int fp4_gemv_chunk_smem_bytes(int64_t token_blocks, int stages) {
-  return fp4_gemv_smem_bytes(0, 32, token_blocks, 0) + stages * kFp4GemvChunkStageBytes;
+constexpr int fp4_gemv_chunk_smem_bytes(int64_t token_blocks, int stages, bool nv = false) {
+  return kFp4GemvHeaderBytes + kFp4GemvPartBytes + fp4_gemv_chunk_token_bytes(token_blocks, nv) +
+         stages * fp4_gemv_chunk_stage_bytes(nv);
 }
-inline int fp4_gemv_chunk_stages(int64_t token_blocks) {
+inline int fp4_gemv_chunk_stages(int64_t token_blocks, bool nv = false) {
   static_assert(kFp4GemvMaxStages % 4 == 0, "whole rounds of the four warpgroups");
-  return fp4_gemv_chunk_smem_bytes(token_blocks, kFp4GemvMaxStages) <= kFp4GemvSmemLimit ? kFp4GemvMaxStages : 0;
+  return fp4_gemv_chunk_smem_bytes(token_blocks, kFp4GemvMaxStages, nv) <= kFp4GemvSmemLimit ? kFp4GemvMaxStages : 0;
 }
 // scale_block: the weights' (32: MXFP4, 16: NVFP4); supported: MXFP4 or NVFP4 weights with FP8 tokens or tokens of
 // their own FP4 format.
@@ -354,6 +367,23 @@ inline int fp4_gemv_runs(bool nvfp4_tokens) {
 // MEGAMOE_FP4_GEMV_FP8MMA (read per call: 0-3) overrides.
 inline int fp4_gemv_fp8_mma() {
   const char* env = std::getenv("MEGAMOE_FP4_GEMV_FP8MMA");
+  if (env != nullptr && env[0] >= '0' && env[0] <= '3') return env[0] - '0';
+  return 3;
+}
+
+// Which GEMV layers take NVFP4 weights on FP8 wgmmas (bit 0: L1, bit 1: L2 with FP8 tokens; sm90_fp4_gemv.cu,
+// consume_chunks_nv) instead of the BF16 decode on mma.sync. E2M1 is exact in E4M3 and UE4M3 is not a power of two, so
+// the weights go in unscaled (one fixed table) and the scales stay out of the MMA: B holds the token once a column,
+// each column one lane's 8 K of a k32 step (the rest zero), so that each accumulator column is one 16-K block's sum of
+// a row, scaled in float32 by its UE4M3 weight scale and the token's. Exact products, sums of 16 in the FP8 wgmma's
+// accumulator. Count: ~140 SASS instructions a 128-K group and lane against the BF16 form's ~192 (no per-weight scale
+// multiply, the PRMT decode). V4-Pro's L2 (top_k x 3072 of token at 4.25 bytes a K) leaves no room for 8 stages: BF16.
+// NOTES (H100, 2026-11-27, perf-notes fifty-first session, T=1, 2-3 rounds, time per replay over the BF16 form; in a
+// graph): V4-Flash w4a8 0.899 (0.887), x floor 1.614 -> 1.440; w4a4 (L1 only) 0.907 (0.897), 1.838 -> 1.653; V4-Pro
+// w4a8 / w4a4 (L1 only) 0.974 / 0.964. L1 alone / L2 alone at V4-Flash w4a8: 0.927 / 0.929.
+// MEGAMOE_FP4_GEMV_NV_FP8MMA (read per call: 0-3) overrides.
+inline int fp4_gemv_nv_fp8_mma() {
+  const char* env = std::getenv("MEGAMOE_FP4_GEMV_NV_FP8MMA");
   if (env != nullptr && env[0] >= '0' && env[0] <= '3') return env[0] - '0';
   return 3;
 }

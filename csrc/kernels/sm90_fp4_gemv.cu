@@ -32,7 +32,9 @@
 // must round alike whatever their token counts).
 // MXFP4 layers whose K is whole 512-K chunks run on FP8 wgmmas instead (heuristics::fp4_gemv_fp8_mma; produce_chunks,
 // consume_chunks): a ring of chunk stages (an item's 64 rows over 512 K), weights folded to E4M3 in registers, the token
-// folded per 128-K group, the FP8-wgmma walk's roundings.
+// folded per 128-K group, the FP8-wgmma walk's roundings. NVFP4 layers likewise (heuristics::fp4_gemv_nv_fp8_mma;
+// consume_chunks_nv): weights unscaled in E4M3, each accumulator column one 16-K block's sum (build_token_nv's B),
+// scaled by its UE4M3 byte in float32.
 // L1 epilogue as the tile walk's (swiglu_value on the bf16-rounded gate and up; UE8M0 scale per 32 outputs,
 // ceil_pow2(amax / 448); E4M3 by the exact reciprocal), not folded: L2 reads E4M3 bytes [slot][I] (w4a4: E2M1
 // [slot][I / 2]) and scale bytes [slot][I / 32] in the pool's regions (nothing else reads them in this call).
@@ -139,7 +141,7 @@ struct GemvSmem {
   uint8_t* ring;
 };
 
-__device__ __forceinline__ GemvSmem carve(uint8_t* smem, int token_blocks) {
+__device__ __forceinline__ GemvSmem carve(uint8_t* smem, int token_bytes) {
   GemvSmem s;
   s.full = reinterpret_cast<uint64_t*>(smem);
   s.empty = s.full + heuristics::kFp4GemvMaxStages;
@@ -152,7 +154,7 @@ __device__ __forceinline__ GemvSmem carve(uint8_t* smem, int token_blocks) {
   s.tables = reinterpret_cast<uint2*>(smem + heuristics::kFp4GemvTablesOffset);
   s.part = reinterpret_cast<float (*)[kGemvWarps][kGemvRows]>(smem + heuristics::kFp4GemvHeaderBytes);
   s.token = reinterpret_cast<uint32_t*>(smem + heuristics::kFp4GemvHeaderBytes + 2 * kGemvWarps * kGemvRows * 4);
-  s.ring = reinterpret_cast<uint8_t*>(s.token) + heuristics::fp4_gemv_token_bytes(token_blocks);
+  s.ring = reinterpret_cast<uint8_t*>(s.token) + token_bytes;
   return s;
 }
 
@@ -459,9 +461,10 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
   });
 }
 
-// The wgmma form's ring (MXFP4 weights; heuristics::fp4_gemv_fp8_mma): stage t holds chunk t % C of the t / C-th valid
-// item (C = k / kFp4GemvChunkK chunks an item): its 64 rows over the chunk's 512 K ([64][256] bytes), their 16 scale
-// bytes each ([64][16]) and their row exponents ([64]); warpgroup t % 4 consumes it (consume_chunks).
+// The wgmma forms' ring (heuristics::fp4_gemv_fp8_mma / fp4_gemv_nv_fp8_mma): stage t holds chunk t % C of the t / C-th
+// valid item (C = k / kFp4GemvChunkK chunks an item): its 64 rows over the chunk's 512 K ([64][256] bytes), then MXFP4
+// their 16 scale bytes each ([64][16]) and their row exponents ([64]), NVFP4 their 32 ([tile][piece][16 rows][16]);
+// warpgroup t % 4 consumes it (consume_chunks / consume_chunks_nv).
 constexpr int kChunkRowBytes = heuristics::kFp4GemvChunkK / 2, kChunkBlocks = heuristics::kFp4GemvChunkK / 32;
 constexpr int kChunkScaleOffset = kGemvRows * kChunkRowBytes, kChunkExpOffset = kChunkScaleOffset + kGemvRows * kChunkBlocks;
 static_assert(kChunkExpOffset + kGemvRows <= heuristics::kFp4GemvChunkStageBytes && kChunkBlocks == kScaleTileBytes,
@@ -473,11 +476,14 @@ static_assert(kChunkExpOffset + kGemvRows <= heuristics::kFp4GemvChunkStageBytes
 // lanes) and lanes 4-7 each tile's 16 row exponents.
 // NOTES (H100, 2026-11-27, forty-eighth session): the rows as 64 bulk copies of 256 bytes a stage (~70 copies a stage,
 // ~840 a CTA at V4-Flash L2 against ~40 for the tile ring) took the call 1.45-2.7x main's time.
-template <typename RowsOf>
+template <bool kNV, typename RowsOf>
 __device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
                                                RowsOf rows_of) {
-  const int lane = threadIdx.x % 32, kb = p.k / 32, chunks = p.k / heuristics::kFp4GemvChunkK;
-  constexpr uint32_t kBytes = kGemvRows * (kChunkRowBytes + kChunkBlocks + 1);
+  const int lane = threadIdx.x % 32, kb = p.k / (kNV ? 16 : 32), chunks = p.k / heuristics::kFp4GemvChunkK;
+  constexpr uint32_t kBytes = kNV ? kGemvRows * (kChunkRowBytes + 2 * kChunkBlocks)
+                                  : kGemvRows * (kChunkRowBytes + kChunkBlocks + 1);
+  constexpr int kStageBytes = heuristics::fp4_gemv_chunk_stage_bytes(kNV);
+  static_assert(kBytes <= kStageBytes, "a chunk stage's bytes");
   int stage = 0;
   uint32_t phase = 0;
   for_each_item(p, ids, num_experts, [&](int, int id, int index) {
@@ -487,33 +493,56 @@ __device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass
       ptx::mbarrier_wait(&s.empty[stage], phase ^ 1);
       if (lane == 0) ptx::mbarrier_arrive_expect_tx(&s.full[stage], kBytes);
       __syncwarp();  // the bytes are expected before any copy completes
-      uint8_t* dst = s.ring + stage * heuristics::kFp4GemvChunkStageBytes;
+      uint8_t* dst = s.ring + stage * kStageBytes;
       if (lane >= 8 && lane < 12) {
         const int m = lane - 8, r = m == 0 ? r0[0] : m == 1 ? r0[1] : m == 2 ? r0[2] : r0[3];
         ptx::tma_load_2d(dst + m * kFp4GemvTileRows * kChunkRowBytes, &p.w.tmap_chunks, &s.full[stage],
                          c * kChunkRowBytes, id * p.n + r);
       }
-      if (!p.w.scale_tiles) {
+      if constexpr (kNV) {
+        // NVFP4: a row's 32 UE4M3 bytes of the chunk as two 16-byte pieces, in the scale tiles' shape whatever the
+        // layout: [tile m][piece j][16 rows][16 bytes] (consume_chunks_nv).
+        if (!p.w.scale_tiles) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = lane + 32 * h;  // row r of the item: tile r / 16 (2h or 2h + 1), its row r % 16
-          const int64_t row = int64_t(id) * p.n + (lane < 16 ? r0[2 * h] : r0[2 * h + 1]) + r % 16;
-          ptx::bulk_load(dst + kChunkScaleOffset + r * kChunkBlocks, p.w.weights_sf + row * kb + c * kChunkBlocks,
-                         kChunkBlocks, &s.full[stage]);
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const int r = lane + 32 * h, m = r / kFp4GemvTileRows;  // row r of the item: tile 2h or 2h + 1
+              const int64_t row = int64_t(id) * p.n + (lane < 16 ? r0[2 * h] : r0[2 * h + 1]) + r % 16;
+              ptx::bulk_load(dst + kChunkScaleOffset + m * 512 + j * 256 + (r % 16) * 16,
+                             p.w.weights_sf + row * kb + c * 2 * kChunkBlocks + 16 * j, 16, &s.full[stage]);
+            }
+        } else if (lane < 8) {  // [n / 256][kb / 16][256][16]: piece 2c + j holds the chunk's blocks 16j .. 16j + 15
+          const int m = lane / 2, j = lane % 2, r = m == 0 ? r0[0] : m == 1 ? r0[1] : m == 2 ? r0[2] : r0[3];
+          ptx::bulk_load(dst + kChunkScaleOffset + m * 512 + j * 256,
+                         p.w.weights_sf + int64_t(id) * p.n * kb +
+                             int64_t(r / kScaleTileRows) * (kb / kScaleTileBytes) * (kScaleTileRows * kScaleTileBytes) +
+                             int64_t(2 * c + j) * kScaleTileRows * kScaleTileBytes + (r % kScaleTileRows) * kScaleTileBytes,
+                         kFp4GemvTileRows * kScaleTileBytes, &s.full[stage]);
         }
-      }
-      if (p.w.scale_tiles && lane < 4) {  // [n / 256][kb / 16][256][16]: rows r0 .. r0 + 15 of blocks 16c .. 16c + 15
-        const int r = lane == 0 ? r0[0] : lane == 1 ? r0[1] : lane == 2 ? r0[2] : r0[3];
-        ptx::bulk_load(dst + kChunkScaleOffset + lane * kFp4GemvTileRows * kChunkBlocks,
-                       p.w.weights_sf + int64_t(id) * p.n * kb +
-                           int64_t(r / kScaleTileRows) * (kb / kScaleTileBytes) * (kScaleTileRows * kScaleTileBytes) +
-                           int64_t(c) * kScaleTileRows * kScaleTileBytes + (r % kScaleTileRows) * kScaleTileBytes,
-                       kFp4GemvTileRows * kChunkBlocks, &s.full[stage]);
-      }
-      if (lane >= 4 && lane < 8) {
-        const int r = lane == 4 ? r0[0] : lane == 5 ? r0[1] : lane == 6 ? r0[2] : r0[3];
-        ptx::bulk_load(dst + kChunkExpOffset + (lane - 4) * kFp4GemvTileRows, p.w.row_exp + int64_t(id) * p.n + r,
-                       kFp4GemvTileRows, &s.full[stage]);
+      } else {
+        if (!p.w.scale_tiles) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = lane + 32 * h;  // row r of the item: tile r / 16 (2h or 2h + 1), its row r % 16
+            const int64_t row = int64_t(id) * p.n + (lane < 16 ? r0[2 * h] : r0[2 * h + 1]) + r % 16;
+            ptx::bulk_load(dst + kChunkScaleOffset + r * kChunkBlocks, p.w.weights_sf + row * kb + c * kChunkBlocks,
+                           kChunkBlocks, &s.full[stage]);
+          }
+        }
+        if (p.w.scale_tiles && lane < 4) {  // [n / 256][kb / 16][256][16]: rows r0 .. r0 + 15 of blocks 16c .. 16c + 15
+          const int r = lane == 0 ? r0[0] : lane == 1 ? r0[1] : lane == 2 ? r0[2] : r0[3];
+          ptx::bulk_load(dst + kChunkScaleOffset + lane * kFp4GemvTileRows * kChunkBlocks,
+                         p.w.weights_sf + int64_t(id) * p.n * kb +
+                             int64_t(r / kScaleTileRows) * (kb / kScaleTileBytes) * (kScaleTileRows * kScaleTileBytes) +
+                             int64_t(c) * kScaleTileRows * kScaleTileBytes + (r % kScaleTileRows) * kScaleTileBytes,
+                         kFp4GemvTileRows * kChunkBlocks, &s.full[stage]);
+        }
+        if (lane >= 4 && lane < 8) {
+          const int r = lane == 4 ? r0[0] : lane == 5 ? r0[1] : lane == 6 ? r0[2] : r0[3];
+          ptx::bulk_load(dst + kChunkExpOffset + (lane - 4) * kFp4GemvTileRows, p.w.row_exp + int64_t(id) * p.n + r,
+                         kFp4GemvTileRows, &s.full[stage]);
+        }
       }
       if (++stage == p.stages) stage = 0, phase ^= 1;
     }
@@ -525,7 +554,7 @@ template <bool kNV, bool kFP8Mma, typename RowsOf>
 __device__ __forceinline__ void produce_form(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
                                              RowsOf rows_of) {
   if constexpr (kFP8Mma)
-    produce_chunks(s, p, ids, num_experts, rows_of);
+    produce_chunks<kNV>(s, p, ids, num_experts, rows_of);
   else
     produce<kNV>(s, p, ids, num_experts, rows_of);
 }
@@ -611,6 +640,147 @@ __device__ __forceinline__ void consume_chunks(const GemvSmem& s, const GemvPass
   });
 }
 
+// NVFP4 on the wgmma form (heuristics::fp4_gemv_nv_fp8_mma). The token as B operands of m64n8k32 wgmmas whose column c
+// holds only token lane c's 8 K of the step (lane c of a quad: K 32c + 8st .. + 7 of the 128-K group, the bytes the
+// weights' lane c decodes for step st), the rest zero: so accumulator column c is row r's sum over that lane's K
+// alone, and one 16-K block's whatever the step (steps 0-1: blocks 2c, steps 2-3: 2c + 1 of the group, two
+// accumulators). Step st of 128-K group g at 128 (4g + st): core matrix 0 (K 0-15) rows 0-3 then core matrix 1 (K
+// 16-31) rows 0-3, 64 bytes apart (lbo); rows 4-7 (columns 4-7, ignored) read the 64 bytes that follow. Row c of each
+// holds its lane's 4 bytes in word c. Then a float32 factor a 16-K block: [blocks][2] after the B area. FP8 tokens:
+// E4M3 bytes as they are, factor 2^(s - 127) of their UE8M0 byte; E2M1 tokens (NVFP4 w4a4, L1): E4M3 of the code
+// (exact), factor the UE4M3 scale (the token's global scale multiplies the sums). No fold: exact products, the 16-term
+// sums in the FP8 wgmma's accumulator, the rest in float32.
+template <bool kFP4Act>
+__device__ __forceinline__ void build_token_nv(uint8_t* dst, float* factors, uint2 table, const uint8_t* x,
+                                               const uint8_t* x_sf, int blocks) {
+  for (int blk = threadIdx.x; blk < blocks; blk += 32 * kGemvWarps) {
+    uint32_t lo[4], hi[4];
+    if constexpr (kFP4Act) {
+      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 16));
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int st = 0; st < 4; ++st) e2m1x8_to_e4m3(w[st], table, lo[st], hi[st]);
+      const uint16_t sf2 = __ldcg(reinterpret_cast<const unsigned short*>(x_sf) + blk);
+      factors[2 * blk] = __half2float(__half(__nv_cvt_fp8_to_halfraw(sf2 & 0xFF, __NV_E4M3)));
+      factors[2 * blk + 1] = __half2float(__half(__nv_cvt_fp8_to_halfraw(sf2 >> 8, __NV_E4M3)));
+    } else {
+      const uint4 a = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32));
+      const uint4 b = __ldcg(reinterpret_cast<const uint4*>(x + int64_t(blk) * 32 + 16));
+      lo[0] = a.x, hi[0] = a.y, lo[1] = a.z, hi[1] = a.w, lo[2] = b.x, hi[2] = b.y, lo[3] = b.z, hi[3] = b.w;
+      factors[2 * blk] = factors[2 * blk + 1] = ue8m0_float(__ldcg(x_sf + blk));
+    }
+    const int q = blk % 4;
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+      uint8_t* step = dst + (4 * (blk / 4) + st) * 128;
+      *reinterpret_cast<uint4*>(step + 16 * q) =
+          make_uint4(q == 0 ? lo[st] : 0u, q == 1 ? lo[st] : 0u, q == 2 ? lo[st] : 0u, q == 3 ? lo[st] : 0u);
+      *reinterpret_cast<uint4*>(step + 64 + 16 * q) =
+          make_uint4(q == 0 ? hi[st] : 0u, q == 1 ? hi[st] : 0u, q == 2 ? hi[st] : 0u, q == 3 ? hi[st] : 0u);
+    }
+  }
+}
+
+// UE4M3 bytes of w (byte i: block i) -> floats, exact (E4M3 -> F16 holds every value; 0x7F: NaN).
+__device__ __forceinline__ float4 ue4m3x4_floats(uint32_t w) {
+  const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xFFFFu), __NV_E4M3);
+  const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+  const float2 a = __half22float2(__half2(lo)), b = __half22float2(__half2(hi));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// The NVFP4 wgmma form's consumers: the chunk ring's stages as consume_chunks takes them (warpgroup, rows ra / rb,
+// lane q's 32-K block of each group), the weights decoded to E4M3 unscaled (fold table kFoldHeadroom: x 1), four
+// m64n8k32 wgmmas a group into two accumulators (steps 0-1, 2-3) against build_token_nv's B. Lane q < 2 holds columns
+// 2q and 2q + 1 of each: the group's 16-K blocks 4q .. 4q + 3 of its rows, each times its UE4M3 weight scale (stage:
+// [tile][piece][16 rows][16 bytes], produce_chunks<true>) and the token's factor into the row's float32 sum; lanes
+// 2-3 compute columns 4-7 (nothing) alike. After the item: lanes 0 and 1 summed, times the expert's global scale (and
+// the token's, NVFP4 tokens), into part[parity][w / 4].
+template <bool kFP4Act>
+__device__ __forceinline__ void consume_chunks_nv(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
+                                                  int slot_blocks, const uint8_t* token_b, const float* token_f) {
+  constexpr int kStageBytes = heuristics::fp4_gemv_chunk_stage_bytes(true);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, m = warp % 4;
+  const int q = lane % 4, qh = q & 1, rr = lane / 4, chunks = p.k / heuristics::kFp4GemvChunkK;
+  const int ra = kFp4GemvTileRows * m + rr, rb = ra + 8;  // this lane's rows of the item
+  const uint2 table = s.tables[kFoldHeadroom];
+  int t0 = 0, parity = 0, n = 0;  // t0: the item's first stage in ring order
+  for_each_item(p, ids, num_experts, [&](int slot, int id, int) {
+    const uint32_t desc_lo = ptx::smem_desc_noswizzle_lo(token_b + int64_t(slot) * slot_blocks * 128, 64);
+    const float* fac = token_f + slot * slot_blocks * 2;
+    float acc_a = 0.0f, acc_b = 0.0f;
+    for (int c = (wg - t0 % 4 + 4) % 4; c < chunks; c += 4) {
+      const int t = t0 + c, stage = t % p.stages;
+      const uint8_t* st8 = s.ring + stage * kStageBytes;  // chunk c of the item
+      const uint8_t* sfa = st8 + kChunkScaleOffset + m * 512 + rr * kScaleTileBytes;  // row ra's; rb's 128 further
+      ptx::mbarrier_wait(&s.full[stage], (t / p.stages) & 1);
+#pragma unroll 1
+      for (int lg = 0; lg < kChunkBlocks / 4; ++lg) {  // NVFP4: the chunk's 128-K groups
+        const int g = c * (kChunkBlocks / 4) + lg, blk = 4 * lg + q;
+        const uint4 wra = *reinterpret_cast<const uint4*>(st8 + ra * kChunkRowBytes + blk * 16);
+        const uint4 wrb = *reinterpret_cast<const uint4*>(st8 + rb * kChunkRowBytes + blk * 16);
+        // blocks 4qh .. 4qh + 3 of the group: chunk blocks 8 lg + 4 qh .., piece lg / 2, byte (8 lg + 4 qh) % 16; read
+        // before the wgmmas (their fences keep later loads behind the wait)
+        const int so = (lg >> 1) * 256 + ((8 * lg + 4 * qh) & 15);
+        const uint32_t sw_a = *reinterpret_cast<const uint32_t*>(sfa + so);
+        const uint32_t sw_b = *reinterpret_cast<const uint32_t*>(sfa + 8 * kScaleTileBytes + so);
+        const float4 ft = *reinterpret_cast<const float4*>(fac + 8 * g + 4 * qh);
+        const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};
+        uint32_t a8[4][4];
+#pragma unroll
+        for (int st = 0; st < 4; ++st) {
+          e2m1x8_to_e4m3(wa[st], table, a8[st][0], a8[st][2]);
+          e2m1x8_to_e4m3(wb[st], table, a8[st][1], a8[st][3]);
+        }
+        const float4 fa = ue4m3x4_floats(sw_a), fb = ue4m3x4_floats(sw_b);
+        const float fta[4] = {fa.x * ft.x, fa.y * ft.y, fa.z * ft.z, fa.w * ft.w};
+        const float ftb[4] = {fb.x * ft.x, fb.y * ft.y, fb.z * ft.z, fb.w * ft.w};
+        float d[2][4] = {};
+#pragma unroll
+        for (int st = 0; st < 4; ++st)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[st][r]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) ptx::fence_operand(d[h][r]);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int st = 0; st < 4; ++st)
+          ptx::WgmmaFP8RS<8>::run(d[st / 2], a8[st], ptx::smem_desc_noswizzle(desc_lo + 8 * (4 * g + st), 128),
+                                  st % 2 == 1);
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) ptx::fence_operand(d[h][r]);
+        // column 2q: block 4q (d[0]) / 4q + 1 (d[1]); column 2q + 1: 4q + 2 / 4q + 3
+        acc_a = fmaf(d[0][0], fta[0], acc_a);
+        acc_a = fmaf(d[1][0], fta[1], acc_a);
+        acc_a = fmaf(d[0][1], fta[2], acc_a);
+        acc_a = fmaf(d[1][1], fta[3], acc_a);
+        acc_b = fmaf(d[0][2], ftb[0], acc_b);
+        acc_b = fmaf(d[1][2], ftb[1], acc_b);
+        acc_b = fmaf(d[0][3], ftb[2], acc_b);
+        acc_b = fmaf(d[1][3], ftb[3], acc_b);
+      }
+      ptx::mbarrier_arrive(&s.empty[stage]);  // every lane of the warpgroup (racecheck)
+    }
+    t0 += chunks;
+    acc_a += __shfl_xor_sync(0xffffffffu, acc_a, 1);  // lane 0: blocks 0-3 of each group, lane 1: 4-7
+    acc_b += __shfl_xor_sync(0xffffffffu, acc_b, 1);
+    const float global = __ldg(p.w.global_sf + id) * (kFP4Act ? s.token_g[slot] : 1.0f);
+    ptx::mbarrier_wait(&s.part_free[parity], ((n >> 1) & 1) ^ 1);
+    if (q == 0) {
+      s.part[parity][wg][ra] = acc_a * global;  // a warpgroup without a chunk: 0
+      s.part[parity][wg][rb] = acc_b * global;
+      ptx::mbarrier_arrive(&s.part_full[parity]);
+    }
+    parity ^= 1, ++n;
+  });
+}
+
 // Epilogue warp: the consumers' items in their order; each item's sums once written (part_full), then
 // epilogue(part of the item, slot, item index in the slot, lane) by the whole warp, then part_free.
 template <typename Epilogue>
@@ -664,7 +834,8 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(const __gr
                                                                       int* recv_stats, float* scratch) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);
-  const GemvSmem s = carve(smem, hidden / 32);
+  const GemvSmem s = carve(smem, kNV && kFP8Mma ? heuristics::fp4_gemv_chunk_token_bytes(hidden / 32, true)
+                                                : heuristics::fp4_gemv_token_bytes(hidden / 32));
   // The ids before the dependency wait: pre_dispatch triggers this grid only after its blocks stored and fenced them
   // (sm90_pre_dispatch.cu), so the producer streams the experts' weights while pre_dispatch still quantizes the token.
   // NOTES: before, every warp waited for pre_dispatch's end first (V4-Flash T=1 timeline: L1 started 0.6 µs into the
@@ -723,8 +894,12 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(const __gr
     if ((id < 0 || id >= num_experts) && id != -1) record_error(buffer, l, layout::kErrorExpertId, id, 0, slot);
     if (id >= 0 && id < num_experts && recv_stats != nullptr) atomicAdd(recv_stats + id, 1);  // slots counted
   }
-  float* token_f = reinterpret_cast<float*>(s.token + 8 * (hidden / 32));  // the wgmma form's group factors
-  if constexpr (kFP8Mma) {
+  float* token_f = reinterpret_cast<float*>(s.token + (kNV ? 32 : 8) * (hidden / 32));  // the wgmma forms' factors
+  if constexpr (kFP8Mma && kNV) {
+    build_token_nv<kFP4Act>(reinterpret_cast<uint8_t*>(s.token), token_f, s.tables[kFoldHeadroom],
+                            buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
+    ptx::fence_proxy_async_shared();  // the wgmmas read the token through the async proxy
+  } else if constexpr (kFP8Mma) {
     fold_token<kFP4Act>(s.token, token_f, s.tables, buffer + l.x_offset, buffer + l.x_sf_offset, hidden / 32);
     ptx::fence_proxy_async_shared();  // the wgmmas read the token through the async proxy
   } else {
@@ -735,7 +910,9 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(const __gr
     for (int slot = threadIdx.x; slot < p.slots; slot += 32 * kGemvWarps) s.token_g[slot] = gt;
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
-  if constexpr (kFP8Mma)
+  if constexpr (kFP8Mma && kNV)
+    consume_chunks_nv<kFP4Act>(s, p, ids, num_experts, 0, reinterpret_cast<const uint8_t*>(s.token), token_f);
+  else if constexpr (kFP8Mma)
     consume_chunks(s, p, ids, num_experts, 0, token_f);
   else
     consume<kNV, kFP4Act>(s, p, ids, num_experts, 0, rows_of);
@@ -748,8 +925,11 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(const __gr
   extern __shared__ __align__(128) uint8_t smem[];
   const int hidden = static_cast<int>(l.hidden), inter = static_cast<int>(l.intermediate);
   const int top_k = p.slots;
-  const GemvSmem s = carve(smem, top_k * (inter / 32));
-  float* token_f = reinterpret_cast<float*>(s.token + 8 * top_k * (inter / 32));  // the wgmma form's group factors
+  static_assert(!(kNV && kFP4Act && kFP8Mma), "NVFP4 tokens' L2 quantizes into the BF16 form's fragments");
+  const GemvSmem s = carve(smem, kNV && kFP8Mma ? heuristics::fp4_gemv_chunk_token_bytes(top_k * (inter / 32), true)
+                                                : heuristics::fp4_gemv_token_bytes(top_k * (inter / 32)));
+  // the wgmma forms' factors
+  float* token_f = reinterpret_cast<float*>(s.token + (kNV ? 32 : 8) * top_k * (inter / 32));
   // The ids before the dependency wait: pre_dispatch wrote them, and L1 triggered this grid only after its own wait for
   // pre_dispatch (every kernel of the chain triggers after its wait; see combine_kernel).
   init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), top_k, kGemvParts<kFP8Mma>);
@@ -785,7 +965,11 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(const __gr
     // NOTES (H100, 2026-11-27, forty-fifth session): slot by slot, the first I / 32 threads took top_k round trips to
     // the L2 cache in turn while the other warps waited at the barrier below (ncu, V4-Flash T=1: ~40 % of L2's warp
     // samples on it); in one pass the call takes 0.95-0.98x the time for w4a8 and MXFP4 w4a4 at T=1.
-    if constexpr (kFP8Mma) {
+    if constexpr (kFP8Mma && kNV) {
+      build_token_nv<kFP4Act>(reinterpret_cast<uint8_t*>(s.token), token_f, s.tables[kFoldHeadroom],
+                              buffer + l.pool_offset, buffer + l.pool_sf_offset, top_k * (inter / 32));
+      ptx::fence_proxy_async_shared();
+    } else if constexpr (kFP8Mma) {
       fold_token<kFP4Act>(s.token, token_f, s.tables, buffer + l.pool_offset, buffer + l.pool_sf_offset,
                           top_k * (inter / 32));
       ptx::fence_proxy_async_shared();
@@ -794,7 +978,10 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(const __gr
     }
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
-  if constexpr (kFP8Mma)
+  if constexpr (kFP8Mma && kNV)
+    consume_chunks_nv<kFP4Act>(s, p, ids, num_experts, inter / 32, reinterpret_cast<const uint8_t*>(s.token),
+                               token_f);
+  else if constexpr (kFP8Mma)
     consume_chunks(s, p, ids, num_experts, inter, token_f);
   else
     consume<kNV, kFP4Act>(s, p, ids, num_experts, (inter / 32) * 16, rows_of);
@@ -834,35 +1021,43 @@ void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* bu
     throw std::runtime_error("megamoe: the FP4 GEMV path takes one rank, hidden and intermediate multiples of 128, top_k "
                              "<= 64, two ring stages of each layer and, with NVFP4 tokens, a float32 scratch of "
                              "top_k x (intermediate + intermediate / 32) (heuristics::fp4_gemv)");
-  // Forms: MXFP4 on BF16 mma.sync, NVFP4, MXFP4 on FP8 wgmmas (heuristics::fp4_gemv_fp8_mma; a layer whose K is whole
-  // chunks and whose shared memory holds 8 chunk stages beside its token: produce_chunks / consume_chunks).
-  const int wgmma = nv ? 0 : heuristics::fp4_gemv_fp8_mma();
+  // Forms: 0 MXFP4 on BF16 mma.sync, 1 NVFP4 on BF16 mma.sync, 2 MXFP4 on FP8 wgmmas (heuristics::fp4_gemv_fp8_mma),
+  // 3 NVFP4 on FP8 wgmmas (heuristics::fp4_gemv_nv_fp8_mma; L2 with FP8 tokens only): a layer whose K is whole chunks
+  // and whose shared memory holds 8 chunk stages beside its token (produce_chunks / consume_chunks[_nv]).
+  const int wgmma = nv ? heuristics::fp4_gemv_nv_fp8_mma() : heuristics::fp4_gemv_fp8_mma();
   const bool w1 = (wgmma & 1) && hidden % heuristics::kFp4GemvChunkK == 0 &&
-                  heuristics::fp4_gemv_chunk_stages(hidden / 32) > 0;
-  const bool w2 = (wgmma & 2) && inter % heuristics::kFp4GemvChunkK == 0 &&
-                  heuristics::fp4_gemv_chunk_stages(top_k * (inter / 32)) > 0;
-  const int form1 = nv ? 1 : w1 ? 2 : 0, form2 = nv ? 1 : w2 ? 2 : 0;
-  const int stages1 = w1 ? heuristics::fp4_gemv_chunk_stages(hidden / 32) : l1_stages;
-  const int stages2 = w2 ? heuristics::fp4_gemv_chunk_stages(top_k * (inter / 32)) : l2_stages;
+                  heuristics::fp4_gemv_chunk_stages(hidden / 32, nv) > 0;
+  const bool w2 = (wgmma & 2) && !(nv && layout.act_fp4) && inter % heuristics::kFp4GemvChunkK == 0 &&
+                  heuristics::fp4_gemv_chunk_stages(top_k * (inter / 32), nv) > 0;
+  const int form1 = (w1 ? 2 : 0) + (nv ? 1 : 0), form2 = (w2 ? 2 : 0) + (nv ? 1 : 0);
+  const int stages1 = w1 ? heuristics::fp4_gemv_chunk_stages(hidden / 32, nv) : l1_stages;
+  const int stages2 = w2 ? heuristics::fp4_gemv_chunk_stages(top_k * (inter / 32), nv) : l2_stages;
   const int runs = heuristics::fp4_gemv_runs(nv && layout.act_fp4);
   const GemvPass p1{l1, 2 * inter, hidden, inter / kL1Outputs, top_k, sb, stages1, (runs & 1) != 0};
   const GemvPass p2{l2, hidden, inter, hidden / kGemvRows, top_k, sb, stages2, (runs & 2) != 0};
   // Persistent CTAs, one an SM (the ring takes most of its shared memory), over items x top_k items.
   const dim3 g1(std::min(num_sms, p1.items * top_k)), g2(std::min(num_sms, p2.items * top_k));
-  const int smem1 = w1 ? heuristics::fp4_gemv_chunk_smem_bytes(hidden / 32, stages1)
+  const int smem1 = w1 ? heuristics::fp4_gemv_chunk_smem_bytes(hidden / 32, stages1, nv)
                        : heuristics::fp4_gemv_smem_bytes(hidden, sb, hidden / 32, l1_stages);
-  const int smem2 = w2 ? heuristics::fp4_gemv_chunk_smem_bytes(top_k * (inter / 32), stages2)
+  const int smem2 = w2 ? heuristics::fp4_gemv_chunk_smem_bytes(top_k * (inter / 32), stages2, nv)
                        : heuristics::fp4_gemv_smem_bytes(inter, sb, top_k * (inter / 32), l2_stages);
+  // [form]: <kNV, kFP8Mma> = (0, 0), (1, 0), (0, 1), (1, 1)
   using L1 = decltype(&launch_l1<false, false, false, false>);
-  static constexpr L1 kL1[2][2][3] = {  // [fast_math][act_fp4][form]
-      {{launch_l1<false, false, false, false>, launch_l1<false, false, true, false>, launch_l1<false, false, false, true>},
-       {launch_l1<false, true, false, false>, launch_l1<false, true, true, false>, launch_l1<false, true, false, true>}},
-      {{launch_l1<true, false, false, false>, launch_l1<true, false, true, false>, launch_l1<true, false, false, true>},
-       {launch_l1<true, true, false, false>, launch_l1<true, true, true, false>, launch_l1<true, true, false, true>}}};
+  static constexpr L1 kL1[2][2][4] = {  // [fast_math][act_fp4][form]
+      {{launch_l1<false, false, false, false>, launch_l1<false, false, true, false>,
+        launch_l1<false, false, false, true>, launch_l1<false, false, true, true>},
+       {launch_l1<false, true, false, false>, launch_l1<false, true, true, false>, launch_l1<false, true, false, true>,
+        launch_l1<false, true, true, true>}},
+      {{launch_l1<true, false, false, false>, launch_l1<true, false, true, false>, launch_l1<true, false, false, true>,
+        launch_l1<true, false, true, true>},
+       {launch_l1<true, true, false, false>, launch_l1<true, true, true, false>, launch_l1<true, true, false, true>,
+        launch_l1<true, true, true, true>}}};
   using L2 = decltype(&launch_l2<false, false, false>);
-  static constexpr L2 kL2[2][3] = {  // [act_fp4][form]
-      {launch_l2<false, false, false>, launch_l2<false, true, false>, launch_l2<false, false, true>},
-      {launch_l2<true, false, false>, launch_l2<true, true, false>, launch_l2<true, false, true>}};
+  static constexpr L2 kL2[2][4] = {  // [act_fp4][form]; NVFP4 tokens never take form 3 (w2 above): the BF16 form
+      {launch_l2<false, false, false>, launch_l2<false, true, false>, launch_l2<false, false, true>,
+       launch_l2<false, true, true>},
+      {launch_l2<true, false, false>, launch_l2<true, true, false>, launch_l2<true, false, true>,
+       launch_l2<true, true, false>}};
   kL1[fast_math][layout.act_fp4][form1](p1, g1, smem1, buffer, layout, activation_clamp, recv_stats, scratch, stream);
   kL2[layout.act_fp4][form2](p2, g2, smem2, buffer, layout, static_cast<const float*>(scratch), stream);
 }

@@ -58,7 +58,7 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
       kernels::Fp4GemvLayer g{static_cast<const uint8_t*>(w.data_ptr()), static_cast<const uint8_t*>(sf.data_ptr()),
                               nv_weights ? nullptr : third.data_ptr<uint8_t>(),
                               nv_weights ? third.data_ptr<float>() : nullptr, fp4_scale_tiles(format, n, k), {}};
-      if (!nv_weights && k % heuristics::kFp4GemvChunkK == 0)  // the wgmma form's chunks (host only: capture-safe)
+      if (k % heuristics::kFp4GemvChunkK == 0)  // the wgmma forms' chunks (host only: capture-safe)
         g.tmap_chunks = kernels::make_tensor_map_2d(w.data_ptr(), k / 2, w.numel() / (k / 2), k / 2,
                                                     heuristics::kFp4GemvChunkK / 2, heuristics::kFp4GemvTileRows, false);
       return g;
