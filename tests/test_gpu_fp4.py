@@ -1145,6 +1145,42 @@ def test_fp4_gemv_nvfp4_wgmma_and_bf16_forms(shape, act_format, monkeypatch):
         assert not torch.equal(outs["3"], outs["0"])  # show in some of the 4096 outputs (the switch took effect)
 
 
+@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("layer_key,scale_byte",
+                         [("w13_sf", 0x07), ("w13_sf", 0x08), ("w13_sf", 0x7E), ("w13_sf", 0x7F), ("w2_sf", 0x01),
+                          ("w2_sf", 0x07), ("w2_sf", 0x08), ("w2_sf", 0x7E), ("w2_sf", 0x7F)],
+                         ids=["l1-max-subnormal", "l1-min-normal", "l1-max", "l1-nan", "l2-min-subnormal",
+                              "l2-max-subnormal", "l2-min-normal", "l2-max", "l2-nan"])
+def test_fp4_gemv_nvfp4_scale_bytes(layer_key, scale_byte, act_format, monkeypatch):
+    """NVFP4 weight scale bytes at the ends of UE4M3's range on both GEMV forms (MEGAMOE_FP4_GEMV_NV_FP8MMA 0 / 3):
+    every UE4M3 byte of one layer of the token's only expert (top_k 1) set to a subnormal (2^-9, 7 x 2^-9), the smallest
+    normal (2^-6) or 448 is applied exactly (the output, that expert's alone, against the reference: a byte flushed or
+    misread moves all of it); 0x7F (NaN) makes the output non-finite, never a finite wrong value. L1 at 2^-9 is left
+    out: its outputs then requantize to zero. Hidden 1024 / intermediate 512: both layers on the wgmma form with 3."""
+    monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
+    case = make_case(8, 1024, 512, 1, 1, "nvfp4", act_format, device="cuda", masked_fraction=0.0, seed=31)
+    e = int(case.topk_idx[0, 0])
+    layer = dict(case.layer)
+    sf = layer[layer_key].clone()
+    sf.view(torch.uint8)[e] = scale_byte
+    layer[layer_key] = sf
+    case.layer = layer
+    case.l1 = megamoe.transform_weights(layer["w13"], layer["w13_sf"], layer["w13_global_sf"], weight_format="nvfp4",
+                                        is_l1=True)
+    case.l2 = megamoe.transform_weights(layer["w2"], layer["w2_sf"], layer["w2_global_sf"], weight_format="nvfp4",
+                                        is_l1=False)
+    ref = case.reference()
+    for forms in "03":
+        monkeypatch.setenv("MEGAMOE_FP4_GEMV_NV_FP8MMA", forms)
+        y, routed = run_marked(case)
+        assert not routed
+        if scale_byte == 0x7F:
+            assert not torch.isfinite(y).all(), forms
+        else:
+            assert torch.isfinite(ref).all() and bool((ref != 0).any())
+            assert rel_err(y, ref) <= TOL, forms
+
+
 @pytest.mark.parametrize("scale_byte", [161, 200, 255])
 def test_fp4_gemv_scale_range(scale_byte, monkeypatch):
     """The GEMV decodes each weight relative to its row's largest scale (transform_weights' row exponents) and
