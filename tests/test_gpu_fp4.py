@@ -1086,6 +1086,22 @@ def test_fp4_gemv_item_runs_same_bits(weight_format, act_format, monkeypatch):
         assert torch.equal(y, outs[0])
 
 
+def gemv_forms_outputs(case, switch, monkeypatch):
+    """The GEMV's output for each setting 0-3 of a form switch (bit 0 L1, bit 1 L2), each on the GEMV path, against
+    the reference and bitwise run to run (poisoned outputs), and within the tolerance of setting 0 (the BF16 form)."""
+    outs = {}
+    for forms in "0123":
+        monkeypatch.setenv(switch, forms)
+        y, routed = run_marked(case)
+        assert not routed
+        assert rel_err(y, case.reference()) <= TOL, forms
+        assert torch.equal(run_poisoned(case), y), forms
+        outs[forms] = y
+    for forms in "123":
+        assert rel_err(outs[forms], outs["0"]) <= TOL, forms
+    return outs
+
+
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
 @pytest.mark.parametrize("shape", [(16, 1024, 512, 4), (16, 1152, 1536, 4), (24, 2560, 512, 6), (64, 512, 1536, 64),
                                    (64, 512, 1024, 64)],
@@ -1102,16 +1118,7 @@ def test_fp4_gemv_mxfp4_wgmma_and_bf16_forms(shape, act_format, monkeypatch):
     e, h, i, k = shape
     case = make_case(e, h, i, k, 1, "mxfp4", act_format, device="cuda", masked_fraction=0.0, seed=818 + h)
     monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
-    outs = {}
-    for forms in "0123":
-        monkeypatch.setenv("MEGAMOE_FP4_GEMV_FP8MMA", forms)
-        y, routed = run_marked(case)
-        assert not routed
-        assert rel_err(y, case.reference()) <= TOL
-        assert torch.equal(run_poisoned(case), y)
-        outs[forms] = y
-    for forms in "123":
-        assert rel_err(outs[forms], outs["0"]) <= TOL
+    gemv_forms_outputs(case, "MEGAMOE_FP4_GEMV_FP8MMA", monkeypatch)
 
 
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
@@ -1131,16 +1138,7 @@ def test_fp4_gemv_nvfp4_wgmma_and_bf16_forms(shape, act_format, monkeypatch):
     e, h, i, k = shape
     case = make_case(e, h, i, k, 1, "nvfp4", act_format, device="cuda", masked_fraction=0.0, seed=929 + h)
     monkeypatch.delenv("MEGAMOE_FP4_GEMV", raising=False)
-    outs = {}
-    for forms in "0123":
-        monkeypatch.setenv("MEGAMOE_FP4_GEMV_NV_FP8MMA", forms)
-        y, routed = run_marked(case)
-        assert not routed
-        assert rel_err(y, case.reference()) <= TOL, forms
-        assert torch.equal(run_poisoned(case), y), forms
-        outs[forms] = y
-    for forms in "123":
-        assert rel_err(outs[forms], outs["0"]) <= TOL, forms
+    outs = gemv_forms_outputs(case, "MEGAMOE_FP4_GEMV_NV_FP8MMA", monkeypatch)
     if act_format == "fp8" and h == 4096:  # both layers on it, K 4096 / 2048: the sums' order and FP8-wgmma rounding
         assert not torch.equal(outs["3"], outs["0"])  # show in some of the 4096 outputs (the switch took effect)
 
