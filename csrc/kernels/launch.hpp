@@ -135,7 +135,7 @@ struct Fp4GemvLayer {
   const uint8_t* row_exp;     // MXFP4 [E, n]: each row's largest scale byte (transform_weights' third tensor); NVFP4 null
   const float* global_sf;     // NVFP4 [E]: the per-expert global scale (third tensor); MXFP4 null
   bool scale_tiles;
-  // MXFP4 with k a multiple of heuristics::kFp4GemvChunkK: the weights as [E * n, k / 2] bytes, unswizzled boxes of
+  // k a multiple of heuristics::kFp4GemvChunkK: the weights as [E * n, k / 2] bytes, unswizzled boxes of
   // {chunk K / 2, 16 rows} (the wgmma form's ring, produce_chunks); else unused.
   CUtensorMap tmap_chunks;
 };
