@@ -199,8 +199,8 @@ PATCHES = {
          "      if (amax == 12345.0f) scratch[int64_t(p.slots) * inter + int64_t(slot) * blocks + ob] = amax;"),
     ],
     "gemv-nvfp4-no-quant": [
-        ("    quantize_tokens_nvfp4(s, p, scratch, inter, num_experts);",
-         "    if (inter < 0) quantize_tokens_nvfp4(s, p, scratch, inter, num_experts);"),
+        ("    quantize_tokens_nvfp4(s, p, scratch, inter);",
+         "    if (inter < 0) quantize_tokens_nvfp4(s, p, scratch, inter);"),
     ],
     "gemv-no-stream": [
         ("      if (lane == 0) ptx::mbarrier_arrive_expect_tx(&s.full[stage], tile_bytes);\n"

@@ -255,19 +255,11 @@ __device__ __forceinline__ void fold_token(uint32_t* dst, float* factors, const 
   }
 }
 
-// L2's NVFP4 tokens: the L1 outputs of the slots whose items this CTA takes (float32 [slot][inter] in `scratch`, each
-// 32 outputs' amax after them, [slot][inter / 32]) quantized as nvfp4_requant_kernel quantizes them on the tile walk
-// (the row's amax -> g = amax / (6 x 448); per 16: sf = e4m3(amax_blk / (6 g)), codes = e2m1(x / (sf g)): the same
-// codes, by e2m1x8_word_fast) straight into B fragments (codes x sf x 2^kSplit, the same words as convert_token makes
-// of those bytes), and each slot's g into token_g, by the consumer warps: a few of the slots' rows from the L2 cache
-// instead of a requantization launch and the pool.
-// NOTES (H100, 2026-11-27, forty-third session): the first form quantized every slot, a thread a 32-K block with 32
-// IEEE divisions (each a branch region, not interleaved), after a pass over every output for the amax: L2 ended 24 µs
-// after L1 at V4-Flash T=1 against NVFP4 w4a8's 15.5.
-__device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const GemvPass& p, const float* scratch,
-                                                      int inter, int num_experts) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, blocks = inter / 32;
-  if (warp == 0) {  // the valid slots with an item in this CTA's walk (cta_items)
+// The slots this CTA quantizes into s.quant (then their count), by warp 0 of the consumers: the valid slots with an item in
+// this CTA's walk (cta_items). Ids only, so before the dependency wait (off L2's path from L1's end).
+__device__ __forceinline__ void quant_slots(const GemvSmem& s, const GemvPass& p, int num_experts) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp == 0) {
     const ItemWalk walk = cta_items(p);
     int n = 0;
     for (int base = 0; base < p.slots; base += 32) {
@@ -287,21 +279,45 @@ __device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const G
     if (lane == 0) s.quant[heuristics::kFp4GemvMaxSlots] = n;
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
-  const int n = s.quant[heuristics::kFp4GemvMaxSlots];
+}
+
+// L2's NVFP4 tokens: the L1 outputs of the slots whose items this CTA takes (float32 [slot][inter] in `scratch`, each
+// 32 outputs' amax after them, [slot][inter / 32]) quantized as nvfp4_requant_kernel quantizes them on the tile walk
+// (the row's amax -> g = amax / (6 x 448); per 16: sf = e4m3(amax_blk / (6 g)), codes = e2m1(x / (sf g)): the same
+// codes, by e2m1x8_word_fast) straight into B fragments (codes x sf x 2^kSplit, the same words as convert_token makes
+// of those bytes), and each slot's g into token_g, by the consumer warps: a few of the slots' rows from the L2 cache
+// instead of a requantization launch and the pool. After the dependency wait (the slots: quant_slots, before it); each
+// thread's first 16-K block is loaded before the rows' amax pass, so that the two round trips to the L2 cache overlap
+// (one on L2's path from L1's end instead of two), and a lane's amaxes of a row in one batch of loads.
+// NOTES (H100, 2026-11-27, forty-third session): the first form quantized every slot, a thread a 32-K block with 32
+// IEEE divisions (each a branch region, not interleaved), after a pass over every output for the amax: L2 ended 24 µs
+// after L1 at V4-Flash T=1 against NVFP4 w4a8's 15.5.
+__device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const GemvPass& p, const float* scratch,
+                                                      int inter) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, blocks = inter / 32, per_slot = inter / 16;
+  const int n = s.quant[heuristics::kFp4GemvMaxSlots], total = n * per_slot;
+  float v[16];
+  if (int(threadIdx.x) < total)
+    load_floats_cg(scratch + int64_t(s.quant[threadIdx.x / per_slot]) * inter + (threadIdx.x % per_slot) * 16, v);
   const float* item_amax = scratch + int64_t(p.slots) * inter;
   for (int j = warp; j < n; j += kGemvWarps) {  // a warp a slot: the row's amax from its items' (max_nan: NaN wins)
-    const int slot = s.quant[j];
+    const float* row = item_amax + int64_t(s.quant[j]) * blocks;
     float amax = 0.0f;
-    for (int b = lane; b < blocks; b += 32) amax = max_nan(amax, __ldcg(item_amax + int64_t(slot) * blocks + b));
+    for (int b0 = 0; b0 < blocks; b0 += 4 * 32) {
+      float x[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) x[u] = b0 + 32 * u + lane < blocks ? __ldcg(row + b0 + 32 * u + lane) : 0.0f;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) amax = max_nan(amax, x[u]);
+    }
     amax = warp_reduce_max<32>(amax);
-    if (lane == 0) s.token_g[slot] = nvfp4_global_scale(amax);
+    if (lane == 0) s.token_g[s.quant[j]] = nvfp4_global_scale(amax);
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
-  for (int i = threadIdx.x; i < n * (inter / 16); i += 32 * kGemvWarps) {  // a thread a 16-K block
-    const int slot = s.quant[i / (inter / 16)], b16 = i % (inter / 16);
+  for (int i = threadIdx.x; i < total; i += 32 * kGemvWarps) {  // a thread a 16-K block
+    const int slot = s.quant[i / per_slot], b16 = i % per_slot;
     const float g = s.token_g[slot];
-    float v[16];
-    load_floats_cg(scratch + int64_t(slot) * inter + b16 * 16, v);
+    if (i != int(threadIdx.x)) load_floats_cg(scratch + int64_t(slot) * inter + b16 * 16, v);
     const __nv_fp8_e4m3 sf = nvfp4_block_scale(v, g);
     const float denom = float(sf) * g, f = act_factor_ue4m3_f32(sf.__x);
     // 16-K block b16 = words 2 (b16 % 2) and 2 (b16 % 2) + 1 of 32-K block b16 / 2: fragment words 8 (b16 % 2) ..
@@ -945,6 +961,8 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(const __gr
     produce_form<kNV, kFP8Mma>(s, p, ids, num_experts, rows_of);
     return;
   }
+  if constexpr (kNV && kFP4Act)
+    if (warp != kEpilogueWarp) quant_slots(s, p, num_experts);  // the consumer warps
   ptx::grid_dependency_wait();  // L1's outputs
   ptx::launch_dependents();
   if (warp == kEpilogueWarp) {  // bf16 of each item's 64 rows into the slot's combine row
@@ -958,7 +976,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(const __gr
     return;
   }
   if constexpr (kNV && kFP4Act) {
-    quantize_tokens_nvfp4(s, p, scratch, inter, num_experts);
+    quantize_tokens_nvfp4(s, p, scratch, inter);
   } else {
     // Every slot's row at once: the pool's rows [slot][I] (scales [slot][I / 32]) are one run of top_k x I / 32 blocks,
     // as the token area's. A slot with a bad id converts bytes L1 never wrote there; no item of it is consumed.
