@@ -575,6 +575,43 @@ __device__ __forceinline__ void produce_form(const GemvSmem& s, const GemvPass& 
     produce<kNV>(s, p, ids, num_experts, rows_of);
 }
 
+// The wgmma forms' A operands of a 128-K group: the lane's 32-K block of rows ra (wra) and rb (wrb), E2M1 -> E4M3 by
+// fold tables ta / tb, into the register fragments of the group's four m64n8k32 steps (step st: its 8 K of each row).
+__device__ __forceinline__ void group_a_fragments(uint4 wra, uint4 wrb, uint2 ta, uint2 tb, uint32_t (&a8)[4][4]) {
+  const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};
+#pragma unroll
+  for (int st = 0; st < 4; ++st) {
+    e2m1x8_to_e4m3(wa[st], ta, a8[st][0], a8[st][2]);
+    e2m1x8_to_e4m3(wb[st], tb, a8[st][1], a8[st][3]);
+  }
+}
+
+// The group's four m64n8k32 FP8 wgmmas (register A a8[st], B at desc(st)) into kAcc accumulators (1: all four steps
+// into d[0]; 2: steps 0-1 into d[0], 2-3 into d[1]), committed and waited for: ptxas keeps register-A wgmmas
+// unserialised only with every operand fenced around them.
+template <int kAcc, typename Desc>
+__device__ __forceinline__ void group_wgmmas(float (&d)[kAcc][4], uint32_t (&a8)[4][4], Desc desc) {
+  static_assert(kAcc == 1 || kAcc == 2, "one or two accumulators");
+  constexpr int kSteps = 4 / kAcc;  // steps an accumulator
+#pragma unroll
+  for (int st = 0; st < 4; ++st)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[st][r]);
+#pragma unroll
+  for (int h = 0; h < kAcc; ++h)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) ptx::fence_operand(d[h][r]);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int st = 0; st < 4; ++st) ptx::WgmmaFP8RS<8>::run(d[st / kSteps], a8[st], desc(st), st % kSteps != 0);
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+#pragma unroll
+  for (int h = 0; h < kAcc; ++h)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) ptx::fence_operand(d[h][r]);
+}
+
 // The wgmma form's consumers: warpgroup w / 4 takes the stages t = w / 4 (mod 4) (chunk t % C of an item), warp w its
 // rows 16 (w % 4) .. + 15 of the item's 64 (its rows of an m64 wgmma). Each lane decodes its 32-K block of rows rr and
 // rr + 8 (lane q: block q of each 128-K group) to E4M3 relative to each row's largest scale (e2m1 x 2^(s - e +
@@ -616,31 +653,13 @@ __device__ __forceinline__ void consume_chunks(const GemvSmem& s, const GemvPass
         // A scale above its row's largest (never written by transform_weights) reads the all-zero last table.
         const uint2 ta = s.tables[min(ea - st8[kChunkScaleOffset + ra * kChunkBlocks + blk], uint32_t(kNumFoldTables - 1))];
         const uint2 tb = s.tables[min(eb - st8[kChunkScaleOffset + rb * kChunkBlocks + blk], uint32_t(kNumFoldTables - 1))];
-        const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};
         uint32_t a8[4][4];
-#pragma unroll
-        for (int st = 0; st < 4; ++st) {
-          e2m1x8_to_e4m3(wa[st], ta, a8[st][0], a8[st][2]);
-          e2m1x8_to_e4m3(wb[st], tb, a8[st][1], a8[st][3]);
-        }
-        float sum[4] = {};
-#pragma unroll
-        for (int st = 0; st < 4; ++st)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[st][r]);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) ptx::fence_operand(sum[r]);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int st = 0; st < 4; ++st)
-          ptx::WgmmaFP8RS<8>::run(sum, a8[st], ptx::smem_desc_noswizzle(desc_lo + 8 * g + 2 * st, 128), st > 0);
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-#pragma unroll
-        for (int r = 0; r < 4; ++r) ptx::fence_operand(sum[r]);
+        group_a_fragments(wra, wrb, ta, tb, a8);
+        float sum[1][4] = {};
+        group_wgmmas(sum, a8, [&](int st) { return ptx::smem_desc_noswizzle(desc_lo + 8 * g + 2 * st, 128); });
         const float f = factors[g];
-        acc0 = fmaf(sum[0], f, acc0);
-        acc2 = fmaf(sum[2], f, acc2);
+        acc0 = fmaf(sum[0][0], f, acc0);
+        acc2 = fmaf(sum[0][2], f, acc2);
       }
       ptx::mbarrier_arrive(&s.empty[stage]);  // every lane of the warpgroup (racecheck)
     }
@@ -741,36 +760,13 @@ __device__ __forceinline__ void consume_chunks_nv(const GemvSmem& s, const GemvP
         const uint32_t sw_a = *reinterpret_cast<const uint32_t*>(sfa + so);
         const uint32_t sw_b = *reinterpret_cast<const uint32_t*>(sfa + 8 * kScaleTileBytes + so);
         const float4 ft = *reinterpret_cast<const float4*>(fac + 8 * g + 4 * qh);
-        const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};
         uint32_t a8[4][4];
-#pragma unroll
-        for (int st = 0; st < 4; ++st) {
-          e2m1x8_to_e4m3(wa[st], table, a8[st][0], a8[st][2]);
-          e2m1x8_to_e4m3(wb[st], table, a8[st][1], a8[st][3]);
-        }
+        group_a_fragments(wra, wrb, table, table, a8);
         const float4 fa = ue4m3x4_floats(sw_a), fb = ue4m3x4_floats(sw_b);
         const float fta[4] = {fa.x * ft.x, fa.y * ft.y, fa.z * ft.z, fa.w * ft.w};
         const float ftb[4] = {fb.x * ft.x, fb.y * ft.y, fb.z * ft.z, fb.w * ft.w};
         float d[2][4] = {};
-#pragma unroll
-        for (int st = 0; st < 4; ++st)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[st][r]);
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) ptx::fence_operand(d[h][r]);
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int st = 0; st < 4; ++st)
-          ptx::WgmmaFP8RS<8>::run(d[st / 2], a8[st], ptx::smem_desc_noswizzle(desc_lo + 8 * (4 * g + st), 128),
-                                  st % 2 == 1);
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) ptx::fence_operand(d[h][r]);
+        group_wgmmas(d, a8, [&](int st) { return ptx::smem_desc_noswizzle(desc_lo + 8 * (4 * g + st), 128); });
         // column 2q: block 4q (d[0]) / 4q + 1 (d[1]); column 2q + 1: 4q + 2 / 4q + 3
         acc_a = fmaf(d[0][0], fta[0], acc_a);
         acc_a = fmaf(d[1][0], fta[1], acc_a);
