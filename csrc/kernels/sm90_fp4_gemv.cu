@@ -287,18 +287,18 @@ __device__ __forceinline__ void quant_slots(const GemvSmem& s, const GemvPass& p
 // codes, by e2m1x8_word_fast) straight into B fragments (codes x sf x 2^kSplit, the same words as convert_token makes
 // of those bytes), and each slot's g into token_g, by the consumer warps: a few of the slots' rows from the L2 cache
 // instead of a requantization launch and the pool. After the dependency wait (the slots: quant_slots, before it); each
-// thread's first 16-K block is loaded before the rows' amax pass, so that the two round trips to the L2 cache overlap
+// thread's first 8-K word is loaded before the rows' amax pass, so that the two round trips to the L2 cache overlap
 // (one on L2's path from L1's end instead of two), and a lane's amaxes of a row in one batch of loads.
 // NOTES (H100, 2026-11-27, forty-third session): the first form quantized every slot, a thread a 32-K block with 32
 // IEEE divisions (each a branch region, not interleaved), after a pass over every output for the amax: L2 ended 24 µs
 // after L1 at V4-Flash T=1 against NVFP4 w4a8's 15.5.
 __device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const GemvPass& p, const float* scratch,
                                                       int inter) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, blocks = inter / 32, per_slot = inter / 16;
-  const int n = s.quant[heuristics::kFp4GemvMaxSlots], total = n * per_slot;
-  float v[16];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, blocks = inter / 32, per_slot = inter / 8;
+  const int n = s.quant[heuristics::kFp4GemvMaxSlots], total = n * per_slot;  // 8-K words: two a 16-K block
+  float v[8];
   if (int(threadIdx.x) < total)
-    load_floats_cg(scratch + int64_t(s.quant[threadIdx.x / per_slot]) * inter + (threadIdx.x % per_slot) * 16, v);
+    load_floats_cg(scratch + int64_t(s.quant[threadIdx.x / per_slot]) * inter + (threadIdx.x % per_slot) * 8, v);
   const float* item_amax = scratch + int64_t(p.slots) * inter;
   for (int j = warp; j < n; j += kGemvWarps) {  // a warp a slot: the row's amax from its items' (max_nan: NaN wins)
     const float* row = item_amax + int64_t(s.quant[j]) * blocks;
@@ -314,16 +314,23 @@ __device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const G
     if (lane == 0) s.token_g[s.quant[j]] = nvfp4_global_scale(amax);
   }
   ptx::named_barrier_sync(kConsumerBarrier, 32 * kGemvWarps);
-  for (int i = threadIdx.x; i < total; i += 32 * kGemvWarps) {  // a thread a 16-K block
-    const int slot = s.quant[i / per_slot], b16 = i % per_slot;
-    const float g = s.token_g[slot];
-    if (i != int(threadIdx.x)) load_floats_cg(scratch + int64_t(slot) * inter + b16 * 16, v);
-    const __nv_fp8_e4m3 sf = nvfp4_block_scale(v, g);
-    const float denom = float(sf) * g, f = act_factor_ue4m3_f32(sf.__x);
-    // 16-K block b16 = words 2 (b16 % 2) and 2 (b16 % 2) + 1 of 32-K block b16 / 2: fragment words 8 (b16 % 2) ..
-    uint4* d = reinterpret_cast<uint4*>(s.token + (slot * blocks + b16 / 2) * 16 + 8 * (b16 % 2));
-    d[0] = e2m1_word_fragments(e2m1x8_word_fast(v, denom), f);
-    d[1] = e2m1_word_fragments(e2m1x8_word_fast(v + 8, denom), f);
+  // A thread an 8-K word, lanes 2i and 2i + 1 a 16-K block (its amax by one shuffle): at V4-Flash's 1-2 slots a CTA,
+  // one word a thread. The loop is warp-uniform for the shuffle (total is even: the pairs are whole).
+  for (int base = 32 * warp; base < total; base += 32 * kGemvWarps) {
+    const int i = base + lane;
+    const bool on = i < total;
+    const int slot = s.quant[(on ? i : 0) / per_slot], w8 = i % per_slot;
+    if (on && base != 32 * warp) load_floats_cg(scratch + int64_t(slot) * inter + w8 * 8, v);
+    float amax = on ? abs_max(v) : 0.0f;
+    amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    if (on) {
+      const float g = s.token_g[slot];
+      const __nv_fp8_e4m3 sf = nvfp4_block_scale(amax, g);
+      // word w8 = half w8 % 2 of 16-K block w8 / 2 = words 2 (b16 % 2) .. of 32-K block b16 / 2: fragment words 8 (b16 %
+      // 2) + 4 (w8 % 2) ..
+      uint4* d = reinterpret_cast<uint4*>(s.token + (slot * blocks + w8 / 4) * 16 + 8 * (w8 / 2 % 2));
+      d[w8 % 2] = e2m1_word_fragments(e2m1x8_word_fast(v, float(sf) * g), act_factor_ue4m3_f32(sf.__x));
+    }
   }
 }
 
