@@ -329,6 +329,19 @@ __device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t w, uint2 t, uint32_t& lo
   hi = ptx::prmt(t.x, t.y, (w >> 16) & 0x7777u) | (ptx::prmt(w, x4, 0xBFAEu) & 0x80808080u);
 }
 
+// A register-A FP8 wgmma's fragments of one 128-K group from a lane's 32-K block of two rows, r (wra) and r + 8 (wrb),
+// 16 bytes of E2M1 each (word st = the K of k32 step st), E2M1 -> E4M3 by tables ta / tb: a8[st] = {row r K 0-3, row
+// r + 8 K 0-3, row r K 4-7, row r + 8 K 4-7} of the lane's 8 K of step st. Shared by the FP8-wgmma tile walk
+// (decode_weights_e4m3) and the FP4 GEMV's wgmma forms.
+__device__ __forceinline__ void group_a_fragments(uint4 wra, uint4 wrb, uint2 ta, uint2 tb, uint32_t (&a8)[4][4]) {
+  const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};
+#pragma unroll
+  for (int st = 0; st < 4; ++st) {
+    e2m1x8_to_e4m3(wa[st], ta, a8[st][0], a8[st][2]);
+    e2m1x8_to_e4m3(wb[st], tb, a8[st][1], a8[st][3]);
+  }
+}
+
 // One 32-K quarter of MXFP4 tokens (16 bytes of E2M1 in checkpoint packing: word s = K 8s .. 8s + 7) folded d binades
 // below its group's largest scale (the fold tables from kFoldHeadroom on); emit(s, lo, hi) takes the E4M3 bytes of K
 // 8s .. + 3 and 8s + 4 .. + 7. Shared by the converters (fold_token_unit) and the upstream fold (launch_fold_mxfp4):

@@ -582,17 +582,6 @@ __device__ __forceinline__ void produce_form(const GemvSmem& s, const GemvPass& 
     produce<kNV>(s, p, ids, num_experts, rows_of);
 }
 
-// The wgmma forms' A operands of a 128-K group: the lane's 32-K block of rows ra (wra) and rb (wrb), E2M1 -> E4M3 by
-// fold tables ta / tb, into the register fragments of the group's four m64n8k32 steps (step st: its 8 K of each row).
-__device__ __forceinline__ void group_a_fragments(uint4 wra, uint4 wrb, uint2 ta, uint2 tb, uint32_t (&a8)[4][4]) {
-  const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};
-#pragma unroll
-  for (int st = 0; st < 4; ++st) {
-    e2m1x8_to_e4m3(wa[st], ta, a8[st][0], a8[st][2]);
-    e2m1x8_to_e4m3(wb[st], tb, a8[st][1], a8[st][3]);
-  }
-}
-
 // The group's four m64n8k32 FP8 wgmmas (register A a8[st], B at desc(st)) into kAcc accumulators (1: all four steps
 // into d[0]; 2: steps 0-1 into d[0], 2-3 into d[1]), committed and waited for: ptxas keeps register-A wgmmas
 // unserialised only with every operand fenced around them.

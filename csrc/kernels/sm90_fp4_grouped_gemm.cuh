@@ -422,12 +422,7 @@ __device__ __forceinline__ void decode_weights_e4m3(uint32_t (&a8)[4][4], const 
   const uint32_t eb = tile_sw[(row + 8) * kScaleWordsBytes + 4 * g + q];
   const uint2 ta = fold_tables[min(ra - ea, uint32_t(kNumFoldTables - 1))];  // x 2^(6 - (ra - ea))
   const uint2 tb = fold_tables[min(rb - eb, uint32_t(kNumFoldTables - 1))];
-  const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    e2m1x8_to_e4m3(wa[s], ta, a8[s][0], a8[s][2]);
-    e2m1x8_to_e4m3(wb[s], tb, a8[s][1], a8[s][3]);
-  }
+  group_a_fragments(wra, wrb, ta, tb, a8);
 }
 
 // One token unit of the FP8-wgmma path: token n, 128-K group g, quarter q (32 K) -> folded E4M3 bytes in the
