@@ -494,11 +494,10 @@ static_assert(kChunkExpOffset + kGemvRows <= heuristics::kFp4GemvChunkStageBytes
               "a chunk's scale bytes are one 16-block piece of a scale tile");
 
 // Producer warp of the wgmma form: every lane waits for the stage (racecheck), lane 0 expects its bytes. The item's
-// tiles go by runs of kRun that are contiguous weight rows (L1: its 32 gate and its 32 up rows, kRun 2; L2: its 64
-// rows, kRun 4): lanes 8 .. 8 + 4 / kRun - 1 load each run's rows over the chunk (one box of the tensor map
-// p.w.tmap_chunks: [16 kRun rows][256 bytes]), lanes 0 .. each run's scale pieces (scale tiles: 256 kRun contiguous
-// bytes, NVFP4 one a piece; row-major: pieces of 16 bytes a row over all 32 lanes) and lanes 4 .. each run's row
-// exponents (MXFP4). Stage layout: rows [64][256], then MXFP4 scales [64][16] and exponents [64], NVFP4 scales
+// tiles go by runs of kRun that are contiguous weight rows (heuristics::fp4_gemv_run_tiles): lanes 8 .. 8 + 4 / kRun
+// - 1 load each run's rows over the chunk (one box of the tensor map p.w.tmap_chunks: [16 kRun rows][256 bytes]),
+// lanes 0 .. each run's scale pieces (scale tiles: 256 kRun contiguous bytes, NVFP4 one a piece; row-major: pieces of
+// 16 bytes a row over all 32 lanes) and lanes 4 .. each run's row exponents (MXFP4). Stage layout: rows [64][256], then MXFP4 scales [64][16] and exponents [64], NVFP4 scales
 // [piece j][64][16] (consume_chunks_nv).
 // NOTES (H100, 2026-11-27, forty-eighth session): the rows as 64 bulk copies of 256 bytes a stage (~70 copies a stage,
 // ~840 a CTA at V4-Flash L2 against ~40 for the tile ring) took the call 1.45-2.7x main's time.
@@ -898,7 +897,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(const __gr
   };
   const int warp = threadIdx.x / 32;
   if (warp == kProducerWarp) {  // weights only: no wait (this grid's end follows the consumers', which wait)
-    produce_form<kNV, kFP8Mma, heuristics::kFp4GemvL1RunTiles>(s, p, ids, num_experts, rows_of);
+    produce_form<kNV, kFP8Mma, heuristics::fp4_gemv_run_tiles(true, kNV)>(s, p, ids, num_experts, rows_of);
     return;
   }
   ptx::grid_dependency_wait();  // pre_dispatch's token, top-k weights and error word
@@ -966,7 +965,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(const __gr
   if (warp == kProducerWarp) {
     // The producer streams weights before L1 ends (they do not depend on it). It does not wait at all: this grid's end
     // (combine's wait) follows the consumers', which wait.
-    produce_form<kNV, kFP8Mma, heuristics::kFp4GemvL2RunTiles>(s, p, ids, num_experts, rows_of);
+    produce_form<kNV, kFP8Mma, heuristics::fp4_gemv_run_tiles(false, kNV)>(s, p, ids, num_experts, rows_of);
     return;
   }
   if constexpr (kNV && kFP4Act)

@@ -71,9 +71,9 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
     if (args.recipe == ActRecipe::kNVFP4)
       scratch = at::empty({l.top_k * (l.intermediate + l.intermediate / 32)}, y.options().dtype(at::kFloat));
     kernels::launch_fp4_gemv(layer(l1_weights, l1_weights_sf, l1_weights_global_sf, 2 * l.intermediate, l.hidden,
-                                   heuristics::kFp4GemvL1RunTiles),
+                                   heuristics::fp4_gemv_run_tiles(true, nv_weights)),
                              layer(l2_weights, l2_weights_sf, l2_weights_global_sf, l.hidden, l.intermediate,
-                                   heuristics::kFp4GemvL2RunTiles),
+                                   heuristics::fp4_gemv_run_tiles(false, nv_weights)),
                              b, l,
                              clamp, fast_math, recv_stats_ptr,
                              scratch.defined() ? scratch.data_ptr<float>() : nullptr, sms, stream);
