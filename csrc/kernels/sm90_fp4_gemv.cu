@@ -486,7 +486,7 @@ __device__ __forceinline__ void consume(const GemvSmem& s, const GemvPass& p, co
 
 // The wgmma forms' ring (heuristics::fp4_gemv_fp8_mma / fp4_gemv_nv_fp8_mma): stage t holds chunk t % C of the t / C-th
 // valid item (C = k / kFp4GemvChunkK chunks an item): its 64 rows over the chunk's 512 K ([64][256] bytes), then MXFP4
-// their 16 scale bytes each ([64][16]) and their row exponents ([64]), NVFP4 their 32 ([piece][64 rows][16]);
+// their 16 scale bytes each ([64][16]) and their row exponents ([64]), NVFP4 their 32 ([tile][piece][16 rows][16]);
 // warpgroup t % 4 consumes it (consume_chunks / consume_chunks_nv).
 constexpr int kChunkRowBytes = heuristics::kFp4GemvChunkK / 2, kChunkBlocks = heuristics::kFp4GemvChunkK / 32;
 constexpr int kChunkScaleOffset = kGemvRows * kChunkRowBytes, kChunkExpOffset = kChunkScaleOffset + kGemvRows * kChunkBlocks;
@@ -494,17 +494,17 @@ static_assert(kChunkExpOffset + kGemvRows <= heuristics::kFp4GemvChunkStageBytes
               "a chunk's scale bytes are one 16-block piece of a scale tile");
 
 // Producer warp of the wgmma form: every lane waits for the stage (racecheck), lane 0 expects its bytes. The item's
-// tiles go by runs of kRun that are contiguous weight rows (heuristics::fp4_gemv_run_tiles): lanes 8 .. 8 + 4 / kRun
-// - 1 load each run's rows over the chunk (one box of the tensor map p.w.tmap_chunks: [16 kRun rows][256 bytes]),
-// lanes 0 .. each run's scale pieces (scale tiles: 256 kRun contiguous bytes, NVFP4 one a piece; row-major: pieces of
-// 16 bytes a row over all 32 lanes) and lanes 4 .. each run's row exponents (MXFP4). Stage layout: rows [64][256], then MXFP4 scales [64][16] and exponents [64], NVFP4 scales
-// [piece j][64][16] (consume_chunks_nv).
+// tiles go by runs of kRun that are contiguous weight rows (heuristics::fp4_gemv_run_tiles; NVFP4: a tile a run):
+// lanes 8 .. 8 + 4 / kRun - 1 load each run's rows over the chunk (one box of the tensor map p.w.tmap_chunks: [16 kRun
+// rows][256 bytes]), lanes 0 .. each run's scale piece (MXFP4 scale tiles: 16 kRun rows of 16 contiguous bytes; NVFP4
+// two pieces a tile; row-major: pieces of 16 bytes a row over all 32 lanes) and lanes 4 .. each run's row exponents.
 // NOTES (H100, 2026-11-27, forty-eighth session): the rows as 64 bulk copies of 256 bytes a stage (~70 copies a stage,
 // ~840 a CTA at V4-Flash L2 against ~40 for the tile ring) took the call 1.45-2.7x main's time.
 template <bool kNV, int kRun, typename RowsOf>
 __device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
                                                RowsOf rows_of) {
   static_assert(kRun == 1 || kRun == 2 || kRun == 4, "runs of whole tiles");
+  static_assert(!kNV || kRun == 1, "NVFP4 stages keep their scales [tile][piece] (consume_chunks_nv)");
   constexpr int kRuns = 4 / kRun, kRunRows = kRun * kFp4GemvTileRows;
   const int lane = threadIdx.x % 32, kb = p.k / (kNV ? 16 : 32), chunks = p.k / heuristics::kFp4GemvChunkK;
   constexpr uint32_t kBytes = kNV ? kGemvRows * (kChunkRowBytes + 2 * kChunkBlocks)
@@ -528,24 +528,24 @@ __device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass
       }
       if constexpr (kNV) {
         // NVFP4: a row's 32 UE4M3 bytes of the chunk as two 16-byte pieces, in the scale tiles' shape whatever the
-        // layout: [piece j][64 rows][16 bytes] (consume_chunks_nv).
+        // layout: [tile m][piece j][16 rows][16 bytes] (consume_chunks_nv).
         if (!p.w.scale_tiles) {
 #pragma unroll
           for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-              const int r = lane + 32 * h;  // row r of the item: tile 2h or 2h + 1
+              const int r = lane + 32 * h, m = r / kFp4GemvTileRows;  // row r of the item: tile 2h or 2h + 1
               const int64_t row = int64_t(id) * p.n + (lane < 16 ? r0[2 * h] : r0[2 * h + 1]) + r % 16;
-              ptx::bulk_load(dst + kChunkScaleOffset + j * (kGemvRows * 16) + r * 16,
+              ptx::bulk_load(dst + kChunkScaleOffset + m * 512 + j * 256 + (r % 16) * 16,
                              p.w.weights_sf + row * kb + c * 2 * kChunkBlocks + 16 * j, 16, &s.full[stage]);
             }
-        } else if (lane < 2 * kRuns) {  // [n / 256][kb / 16][256][16]: piece 2c + j holds the chunk's blocks 16j ..
-          const int m = lane / 2 * kRun, j = lane % 2, r = m == 0 ? r0[0] : m == 1 ? r0[1] : m == 2 ? r0[2] : r0[3];
-          ptx::bulk_load(dst + kChunkScaleOffset + j * (kGemvRows * 16) + m * 256,
+        } else if (lane < 8) {  // [n / 256][kb / 16][256][16]: piece 2c + j holds the chunk's blocks 16j .. 16j + 15
+          const int m = lane / 2, j = lane % 2, r = m == 0 ? r0[0] : m == 1 ? r0[1] : m == 2 ? r0[2] : r0[3];
+          ptx::bulk_load(dst + kChunkScaleOffset + m * 512 + j * 256,
                          p.w.weights_sf + int64_t(id) * p.n * kb +
                              int64_t(r / kScaleTileRows) * (kb / kScaleTileBytes) * (kScaleTileRows * kScaleTileBytes) +
                              int64_t(2 * c + j) * kScaleTileRows * kScaleTileBytes + (r % kScaleTileRows) * kScaleTileBytes,
-                         kRunRows * kScaleTileBytes, &s.full[stage]);
+                         kFp4GemvTileRows * kScaleTileBytes, &s.full[stage]);
         }
       } else {
         if (!p.w.scale_tiles) {
@@ -739,7 +739,7 @@ __device__ __forceinline__ float4 ue4m3x4_floats(uint32_t w) {
 // lane q's 32-K block of each group), the weights decoded to E4M3 unscaled (fold table kFoldHeadroom: x 1), four
 // m64n8k32 wgmmas a group into two accumulators (steps 0-1, 2-3) against build_token_nv's B. Lane q < 2 holds columns
 // 2q and 2q + 1 of each: the group's 16-K blocks 4q .. 4q + 3 of its rows, each times its UE4M3 weight scale (stage:
-// [piece][64 rows][16 bytes], produce_chunks<true, kRun>) and the token's factor into the row's float32 sum; lanes
+// [tile][piece][16 rows][16 bytes], produce_chunks<true, 1>) and the token's factor into the row's float32 sum; lanes
 // 2-3 compute columns 4-7 (nothing) alike. After the item: lanes 0 and 1 summed, times the expert's global scale (and
 // the token's, NVFP4 tokens), into part[parity][w / 4].
 template <bool kFP4Act>
@@ -758,7 +758,7 @@ __device__ __forceinline__ void consume_chunks_nv(const GemvSmem& s, const GemvP
     for (int c = (wg - t0 % 4 + 4) % 4; c < chunks; c += 4) {
       const int t = t0 + c, stage = t % p.stages;
       const uint8_t* st8 = s.ring + stage * kStageBytes;  // chunk c of the item
-      const uint8_t* sfa = st8 + kChunkScaleOffset + ra * kScaleTileBytes;  // row ra's piece 0; rb's 128 further
+      const uint8_t* sfa = st8 + kChunkScaleOffset + m * 512 + rr * kScaleTileBytes;  // row ra's; rb's 128 further
       ptx::mbarrier_wait(&s.full[stage], (t / p.stages) & 1);
 #pragma unroll 1
       for (int lg = 0; lg < kChunkBlocks / 4; ++lg) {  // NVFP4: the chunk's 128-K groups
@@ -767,7 +767,7 @@ __device__ __forceinline__ void consume_chunks_nv(const GemvSmem& s, const GemvP
         const uint4 wrb = *reinterpret_cast<const uint4*>(st8 + rb * kChunkRowBytes + blk * 16);
         // blocks 4qh .. 4qh + 3 of the group: chunk blocks 8 lg + 4 qh .., piece lg / 2, byte (8 lg + 4 qh) % 16; read
         // before the wgmmas (their fences keep later loads behind the wait)
-        const int so = (lg >> 1) * (kGemvRows * kScaleTileBytes) + ((8 * lg + 4 * qh) & 15);
+        const int so = (lg >> 1) * 256 + ((8 * lg + 4 * qh) & 15);
         const uint32_t sw_a = *reinterpret_cast<const uint32_t*>(sfa + so);
         const uint32_t sw_b = *reinterpret_cast<const uint32_t*>(sfa + 8 * kScaleTileBytes + so);
         const float4 ft = *reinterpret_cast<const float4*>(fac + 8 * g + 4 * qh);
