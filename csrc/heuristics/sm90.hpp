@@ -306,6 +306,15 @@ constexpr int fp4_gemv_chunk_stage_bytes(bool nv) {
             : (64 * (kFp4GemvChunkK / 2 + kFp4GemvChunkK / 32 + 1) + 127) / 128 * 128;
 }
 constexpr int kFp4GemvChunkStageBytes = fp4_gemv_chunk_stage_bytes(false);
+// The wgmma forms' tiles of an item that are contiguous weight rows go by runs, each one TMA box (the layer's
+// tmap_chunks: [16 x run rows][256 bytes]) and one copy of its scales (and MXFP4 row exponents): MXFP4 L1's item is 32
+// gate rows and their 32 up rows (two runs of 2 tiles), L2's 64 rows (one run of 4); NVFP4 a tile a run (its stage
+// keeps the scales by tile).
+// NOTES (H100, T=1, 3 rounds, 2026-11-27): runs against a box and two copies a 16-row tile (12 copies a stage): V4-Pro
+// MXFP4 0.973x the time, V4-Flash MXFP4 0.996-1.008x; NVFP4 in runs too: V4-Flash 1.024x (w4a8) / 1.058x (w4a4),
+// V4-Pro 1.00x (docs/bench/h100-2026-11-27s-ab-gemv-runs.txt); with NVFP4 a tile a run, MXFP4 alone: V4-Pro
+// 0.968-0.980x, V4-Flash 0.997-1.011x per replay, NVFP4 0.996-1.007x (-ab-gemv-runs-mxfp4.txt).
+constexpr int fp4_gemv_run_tiles(bool l1, bool nv) { return nv ? 1 : l1 ? 2 : 4; }
 static_assert(fp4_gemv_chunk_stage_bytes(true) % 128 == 0, "stages start 128-byte aligned (TMA)");
 // The token area of the wgmma form: MXFP4 the folded bytes and a factor a 128-K group (within fp4_gemv_token_bytes);
 // NVFP4 B operands with one token lane's bytes a column (128 bytes a 32-K step: consume_chunks_nv) and a float factor

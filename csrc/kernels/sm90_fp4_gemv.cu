@@ -493,15 +493,19 @@ constexpr int kChunkScaleOffset = kGemvRows * kChunkRowBytes, kChunkExpOffset = 
 static_assert(kChunkExpOffset + kGemvRows <= heuristics::kFp4GemvChunkStageBytes && kChunkBlocks == kScaleTileBytes,
               "a chunk's scale bytes are one 16-block piece of a scale tile");
 
-// Producer warp of the wgmma form: every lane waits for the stage (racecheck), lane 0 expects its bytes; lanes 8-11
-// load each tile's rows over the chunk (one box of the tensor map p.w.tmap_chunks: [16 rows][256 bytes]), lanes 0-3
-// each tile's scale piece (scale tiles: 256 contiguous bytes; rows: 16 pieces of 16 bytes, two a lane over all 32
-// lanes) and lanes 4-7 each tile's 16 row exponents.
+// Producer warp of the wgmma form: every lane waits for the stage (racecheck), lane 0 expects its bytes. The item's
+// tiles go by runs of kRun that are contiguous weight rows (heuristics::fp4_gemv_run_tiles; NVFP4: a tile a run):
+// lanes 8 .. 8 + 4 / kRun - 1 load each run's rows over the chunk (one box of the tensor map p.w.tmap_chunks: [16 kRun
+// rows][256 bytes]), lanes 0 .. each run's scale piece (MXFP4 scale tiles: 16 kRun rows of 16 contiguous bytes; NVFP4
+// two pieces a tile; row-major: pieces of 16 bytes a row over all 32 lanes) and lanes 4 .. each run's row exponents.
 // NOTES (H100, 2026-11-27, forty-eighth session): the rows as 64 bulk copies of 256 bytes a stage (~70 copies a stage,
 // ~840 a CTA at V4-Flash L2 against ~40 for the tile ring) took the call 1.45-2.7x main's time.
-template <bool kNV, typename RowsOf>
+template <bool kNV, int kRun, typename RowsOf>
 __device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
                                                RowsOf rows_of) {
+  static_assert(kRun == 1 || kRun == 2 || kRun == 4, "runs of whole tiles");
+  static_assert(!kNV || kRun == 1, "NVFP4 stages keep their scales [tile][piece] (consume_chunks_nv)");
+  constexpr int kRuns = 4 / kRun, kRunRows = kRun * kFp4GemvTileRows;
   const int lane = threadIdx.x % 32, kb = p.k / (kNV ? 16 : 32), chunks = p.k / heuristics::kFp4GemvChunkK;
   constexpr uint32_t kBytes = kNV ? kGemvRows * (kChunkRowBytes + 2 * kChunkBlocks)
                                   : kGemvRows * (kChunkRowBytes + kChunkBlocks + 1);
@@ -517,8 +521,8 @@ __device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass
       if (lane == 0) ptx::mbarrier_arrive_expect_tx(&s.full[stage], kBytes);
       __syncwarp();  // the bytes are expected before any copy completes
       uint8_t* dst = s.ring + stage * kStageBytes;
-      if (lane >= 8 && lane < 12) {
-        const int m = lane - 8, r = m == 0 ? r0[0] : m == 1 ? r0[1] : m == 2 ? r0[2] : r0[3];
+      if (lane >= 8 && lane < 8 + kRuns) {
+        const int m = (lane - 8) * kRun, r = m == 0 ? r0[0] : m == 1 ? r0[1] : m == 2 ? r0[2] : r0[3];
         ptx::tma_load_2d(dst + m * kFp4GemvTileRows * kChunkRowBytes, &p.w.tmap_chunks, &s.full[stage],
                          c * kChunkRowBytes, id * p.n + r);
       }
@@ -553,18 +557,18 @@ __device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass
                            kChunkBlocks, &s.full[stage]);
           }
         }
-        if (p.w.scale_tiles && lane < 4) {  // [n / 256][kb / 16][256][16]: rows r0 .. r0 + 15 of blocks 16c .. 16c + 15
-          const int r = lane == 0 ? r0[0] : lane == 1 ? r0[1] : lane == 2 ? r0[2] : r0[3];
-          ptx::bulk_load(dst + kChunkScaleOffset + lane * kFp4GemvTileRows * kChunkBlocks,
+        if (p.w.scale_tiles && lane < kRuns) {  // [n / 256][kb / 16][256][16]: a run's rows of blocks 16c .. 16c + 15
+          const int m = lane * kRun, r = m == 0 ? r0[0] : m == 1 ? r0[1] : m == 2 ? r0[2] : r0[3];
+          ptx::bulk_load(dst + kChunkScaleOffset + m * kFp4GemvTileRows * kChunkBlocks,
                          p.w.weights_sf + int64_t(id) * p.n * kb +
                              int64_t(r / kScaleTileRows) * (kb / kScaleTileBytes) * (kScaleTileRows * kScaleTileBytes) +
                              int64_t(c) * kScaleTileRows * kScaleTileBytes + (r % kScaleTileRows) * kScaleTileBytes,
-                         kFp4GemvTileRows * kChunkBlocks, &s.full[stage]);
+                         kRunRows * kChunkBlocks, &s.full[stage]);
         }
-        if (lane >= 4 && lane < 8) {
-          const int r = lane == 4 ? r0[0] : lane == 5 ? r0[1] : lane == 6 ? r0[2] : r0[3];
-          ptx::bulk_load(dst + kChunkExpOffset + (lane - 4) * kFp4GemvTileRows, p.w.row_exp + int64_t(id) * p.n + r,
-                         kFp4GemvTileRows, &s.full[stage]);
+        if (lane >= 4 && lane < 4 + kRuns) {
+          const int m = (lane - 4) * kRun, r = m == 0 ? r0[0] : m == 1 ? r0[1] : m == 2 ? r0[2] : r0[3];
+          ptx::bulk_load(dst + kChunkExpOffset + m * kFp4GemvTileRows, p.w.row_exp + int64_t(id) * p.n + r,
+                         kRunRows, &s.full[stage]);
         }
       }
       if (++stage == p.stages) stage = 0, phase ^= 1;
@@ -573,11 +577,11 @@ __device__ __forceinline__ void produce_chunks(const GemvSmem& s, const GemvPass
 }
 
 // The producer warp of either ring: the wgmma form's chunk stages or the BF16 / NVFP4 forms' tile stages.
-template <bool kNV, bool kFP8Mma, typename RowsOf>
+template <bool kNV, bool kFP8Mma, int kRun, typename RowsOf>
 __device__ __forceinline__ void produce_form(const GemvSmem& s, const GemvPass& p, const int* ids, int num_experts,
                                              RowsOf rows_of) {
   if constexpr (kFP8Mma)
-    produce_chunks<kNV>(s, p, ids, num_experts, rows_of);
+    produce_chunks<kNV, kRun>(s, p, ids, num_experts, rows_of);
   else
     produce<kNV>(s, p, ids, num_experts, rows_of);
 }
@@ -724,7 +728,7 @@ __device__ __forceinline__ float4 ue4m3x4_floats(uint32_t w) {
 // lane q's 32-K block of each group), the weights decoded to E4M3 unscaled (fold table kFoldHeadroom: x 1), four
 // m64n8k32 wgmmas a group into two accumulators (steps 0-1, 2-3) against build_token_nv's B. Lane q < 2 holds columns
 // 2q and 2q + 1 of each: the group's 16-K blocks 4q .. 4q + 3 of its rows, each times its UE4M3 weight scale (stage:
-// [tile][piece][16 rows][16 bytes], produce_chunks<true>) and the token's factor into the row's float32 sum; lanes
+// [tile][piece][16 rows][16 bytes], produce_chunks<true, 1>) and the token's factor into the row's float32 sum; lanes
 // 2-3 compute columns 4-7 (nothing) alike. After the item: lanes 0 and 1 summed, times the expert's global scale (and
 // the token's, NVFP4 tokens), into part[parity][w / 4].
 template <bool kFP4Act>
@@ -882,7 +886,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(const __gr
   };
   const int warp = threadIdx.x / 32;
   if (warp == kProducerWarp) {  // weights only: no wait (this grid's end follows the consumers', which wait)
-    produce_form<kNV, kFP8Mma>(s, p, ids, num_experts, rows_of);
+    produce_form<kNV, kFP8Mma, heuristics::fp4_gemv_run_tiles(true, kNV)>(s, p, ids, num_experts, rows_of);
     return;
   }
   ptx::grid_dependency_wait();  // pre_dispatch's token, top-k weights and error word
@@ -950,7 +954,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(const __gr
   if (warp == kProducerWarp) {
     // The producer streams weights before L1 ends (they do not depend on it). It does not wait at all: this grid's end
     // (combine's wait) follows the consumers', which wait.
-    produce_form<kNV, kFP8Mma>(s, p, ids, num_experts, rows_of);
+    produce_form<kNV, kFP8Mma, heuristics::fp4_gemv_run_tiles(false, kNV)>(s, p, ids, num_experts, rows_of);
     return;
   }
   if constexpr (kNV && kFP4Act)

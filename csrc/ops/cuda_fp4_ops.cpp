@@ -54,13 +54,15 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   if (weights_aligned && heuristics::fp4_gemv(t, l.num_ranks, gemv_supported, fp4_scale_block(format), l.hidden,
                                               l.intermediate, l.top_k)) {
     // The third tensor: MXFP4 row exponents (uint8 [E, n]) or the NVFP4 global scales (float32 [E]).
-    auto layer = [&](const at::Tensor& w, const at::Tensor& sf, const at::Tensor& third, int64_t n, int64_t k) {
+    auto layer = [&](const at::Tensor& w, const at::Tensor& sf, const at::Tensor& third, int64_t n, int64_t k,
+                     int run_tiles) {
       kernels::Fp4GemvLayer g{static_cast<const uint8_t*>(w.data_ptr()), static_cast<const uint8_t*>(sf.data_ptr()),
                               nv_weights ? nullptr : third.data_ptr<uint8_t>(),
                               nv_weights ? third.data_ptr<float>() : nullptr, fp4_scale_tiles(format, n, k), {}};
       if (k % heuristics::kFp4GemvChunkK == 0)  // the wgmma forms' chunks (host only: capture-safe)
         g.tmap_chunks = kernels::make_tensor_map_2d(w.data_ptr(), k / 2, w.numel() / (k / 2), k / 2,
-                                                    heuristics::kFp4GemvChunkK / 2, heuristics::kFp4GemvTileRows, false);
+                                                    heuristics::kFp4GemvChunkK / 2,
+                                                    run_tiles * heuristics::kFp4GemvTileRows, false);
       return g;
     };
     uint8_t* b = buffer_ptr(buffer);
@@ -68,8 +70,11 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
     at::Tensor scratch;
     if (args.recipe == ActRecipe::kNVFP4)
       scratch = at::empty({l.top_k * (l.intermediate + l.intermediate / 32)}, y.options().dtype(at::kFloat));
-    kernels::launch_fp4_gemv(layer(l1_weights, l1_weights_sf, l1_weights_global_sf, 2 * l.intermediate, l.hidden),
-                             layer(l2_weights, l2_weights_sf, l2_weights_global_sf, l.hidden, l.intermediate), b, l,
+    kernels::launch_fp4_gemv(layer(l1_weights, l1_weights_sf, l1_weights_global_sf, 2 * l.intermediate, l.hidden,
+                                   heuristics::fp4_gemv_run_tiles(true, nv_weights)),
+                             layer(l2_weights, l2_weights_sf, l2_weights_global_sf, l.hidden, l.intermediate,
+                                   heuristics::fp4_gemv_run_tiles(false, nv_weights)),
+                             b, l,
                              clamp, fast_math, recv_stats_ptr,
                              scratch.defined() ? scratch.data_ptr<float>() : nullptr, sms, stream);
     kernels::launch_combine(y.data_ptr(), b, l, static_cast<int>(args.buf.rank), t, sms, stream);
