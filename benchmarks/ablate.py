@@ -141,10 +141,14 @@ PATCHES = {
     "fp4-no-decode": [
         ("  return (x * ((1u << (6 - 4 * pp)) + (1u << (12 - 4 * pp)))) & 0x81C081C0u;",
          "  return v ^ uint32_t(p);"),
-        # The weights' E2M1 -> E4M3 (e2m1x8_to_e4m3, sm90_common.cuh since the gather folds MXFP4 tokens with it).
-        ("    e2m1x8_to_e4m3(wa[s], ta, a8[s][0], a8[s][2]);\n    e2m1x8_to_e4m3(wb[s], tb, a8[s][1], a8[s][3]);",
-         "    a8[s][0] = wa[s] ^ ta.x, a8[s][2] = (wa[s] << 4) ^ ta.y;\n"
-         "    a8[s][1] = wb[s] ^ tb.x, a8[s][3] = (wb[s] << 4) ^ tb.y;"),
+        # The weights' E2M1 -> E4M3 of the FP8-wgmma walk (decode_weights_e4m3's call of group_a_fragments, shared
+        # with the GEMV in sm90_common.cuh: replaced here, so the GEMV keeps its decode).
+        ("  group_a_fragments(wra, wrb, ta, tb, a8);",
+         "  const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};\n"
+         "  for (int st = 0; st < 4; ++st) {\n"
+         "    a8[st][0] = wa[st] ^ ta.x, a8[st][2] = (wa[st] << 4) ^ ta.y;\n"
+         "    a8[st][1] = wb[st] ^ tb.x, a8[st][3] = (wb[st] << 4) ^ tb.y;\n"
+         "  }"),
     ],
     "fp4-no-weight-tma": [
         ("        uint32_t bytes = S::kTileA + (p.scale_tma ? S::kTileSW : 0);",
@@ -189,8 +193,8 @@ PATCHES = {
         ("      if (lane == 0) ptx::mbarrier_arrive_expect_tx(&s.full[stage], kBytes);\n"
          "      __syncwarp();  // the bytes are expected before any copy completes\n",
          "      if (lane == 0) ptx::mbarrier_arrive(&s.full[stage]);\n      __syncwarp();\n      if (false) {\n"),
-        ("                         kFp4GemvTileRows, &s.full[stage]);\n        }\n      }\n      if (++stage == p.stages)",
-         "                         kFp4GemvTileRows, &s.full[stage]);\n        }\n      }\n      }\n      if (++stage == p.stages)"),
+        ("                         kRunRows, &s.full[stage]);\n        }\n      }\n      if (++stage == p.stages)",
+         "                         kRunRows, &s.full[stage]);\n        }\n      }\n      }\n      if (++stage == p.stages)"),
     ],
     "gemv-nvfp4-no-scratch": [
         ("      scratch[int64_t(slot) * inter + ob * kL1Outputs + lane] = a;\n"
