@@ -309,7 +309,8 @@ constexpr int kFp4GemvChunkStageBytes = fp4_gemv_chunk_stage_bytes(false);
 // The wgmma forms' tiles of an item that are contiguous weight rows go by runs, each one TMA box (the layer's
 // tmap_chunks: [16 x run rows][256 bytes]) and one copy of its scales (and MXFP4 row exponents): MXFP4 L1's item is 32
 // gate rows and their 32 up rows (two runs of 2 tiles), L2's 64 rows (one run of 4); NVFP4 a tile a run (its stage
-// keeps the scales by tile).
+// keeps the scales by tile). A run starts at a multiple of its rows (L1: 128 (i / 64) + i % 64 for output i, a
+// multiple of 32; L2: 64 an item), so its rows never cross a 256-row scale tile: their scale bytes are contiguous.
 // NOTES (H100, T=1, 3 rounds, 2026-11-27): runs against a box and two copies a 16-row tile (12 copies a stage): V4-Pro
 // MXFP4 0.973x the time, V4-Flash MXFP4 0.996-1.008x; NVFP4 in runs too: V4-Flash 1.024x (w4a8) / 1.058x (w4a4),
 // V4-Pro 1.00x (docs/bench/h100-2026-11-27s-ab-gemv-runs.txt); with NVFP4 a tile a run, MXFP4 alone: V4-Pro

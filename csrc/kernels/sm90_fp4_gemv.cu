@@ -255,8 +255,8 @@ __device__ __forceinline__ void fold_token(uint32_t* dst, float* factors, const 
   }
 }
 
-// The slots this CTA quantizes into s.quant (then their count), by warp 0 of the consumers: the valid slots with an item in
-// this CTA's walk (cta_items). Ids only, so before the dependency wait (off L2's path from L1's end).
+// The slots this CTA quantizes into s.quant (then their count), by warp 0 of the consumers: the valid slots with an
+// item in this CTA's walk (cta_items). Ids only, so before the dependency wait (off L2's path from L1's end).
 __device__ __forceinline__ void quant_slots(const GemvSmem& s, const GemvPass& p, int num_experts) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp == 0) {
@@ -326,8 +326,8 @@ __device__ __forceinline__ void quantize_tokens_nvfp4(const GemvSmem& s, const G
     if (on) {
       const float g = s.token_g[slot];
       const __nv_fp8_e4m3 sf = nvfp4_block_scale(amax, g);
-      // word w8 = half w8 % 2 of 16-K block w8 / 2 = words 2 (b16 % 2) .. of 32-K block b16 / 2: fragment words 8 (b16 %
-      // 2) + 4 (w8 % 2) ..
+      // 8-K word w8: half w8 % 2 of 16-K block w8 / 2, which is half (w8 / 2) % 2 of 32-K block w8 / 4 (convert_token's
+      // 16 fragment words a 32-K block): its 4 words at 8 ((w8 / 2) % 2) + 4 (w8 % 2)
       uint4* d = reinterpret_cast<uint4*>(s.token + (slot * blocks + w8 / 4) * 16 + 8 * (w8 / 2 % 2));
       d[w8 % 2] = e2m1_word_fragments(e2m1x8_word_fast(v, float(sf) * g), act_factor_ue4m3_f32(sf.__x));
     }
