@@ -136,7 +136,8 @@ struct Fp4GemvLayer {
   const float* global_sf;     // NVFP4 [E]: the per-expert global scale (third tensor); MXFP4 null
   bool scale_tiles;
   // k a multiple of heuristics::kFp4GemvChunkK: the weights as [E * n, k / 2] bytes, unswizzled boxes of
-  // {chunk K / 2, 16 rows} (the wgmma form's ring, produce_chunks); else unused.
+  // {chunk K / 2, 16 x heuristics::fp4_gemv_run_tiles rows} (the wgmma form's ring, produce_chunks: its kRun must be the
+  // same function's value); else unused.
   CUtensorMap tmap_chunks;
 };
 void launch_fp4_gemv(const Fp4GemvLayer& l1, const Fp4GemvLayer& l2, uint8_t* buffer, const layout::BufferLayout& layout,

@@ -856,6 +856,8 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l1_kernel(const __gr
             kGemvParts<kFP8Mma>);
   const int* ids = s.ids;
   const int num_experts = static_cast<int>(l.num_experts);
+  // Tiles 0-1 and 2-3 are contiguous rows from multiples of 32: the wgmma ring loads them as runs of 2
+  // (heuristics::fp4_gemv_run_tiles; change both together).
   auto rows_of = [](int ob, int (&r0)[4]) {
     const int i0 = ob * kL1Outputs, gate0 = 128 * (i0 / 64) + i0 % 64;
     r0[0] = gate0, r0[1] = gate0 + 16, r0[2] = gate0 + 64, r0[3] = gate0 + 80;
@@ -947,6 +949,7 @@ __global__ void __launch_bounds__(kGemvThreads, 1) fp4_gemv_l2_kernel(const __gr
   init_ring(s, p.stages, reinterpret_cast<const int*>(buffer + l.topk_idx_offset), top_k, kGemvParts<kFP8Mma>);
   const int* ids = s.ids;
   const int num_experts = static_cast<int>(l.num_experts);
+  // The four tiles are 64 contiguous rows from a multiple of 64: one run (heuristics::fp4_gemv_run_tiles).
   auto rows_of = [](int rb, int (&r0)[4]) {
     for (int m = 0; m < 4; ++m) r0[m] = rb * kGemvRows + kFp4GemvTileRows * m;
   };

@@ -40,9 +40,9 @@ void fp8_fp4_mega_moe_cuda(at::Tensor& y, const at::Tensor& l1_weights, const at
   const float clamp = activation_clamp.has_value() ? static_cast<float>(*activation_clamp) : -1.0f;
   int* recv_stats_ptr = recv_stats.has_value() ? recv_stats->data_ptr<int>() : nullptr;
   // One token on one rank: GEMVs over its experts instead of routing, gather and the tile walk (heuristics::fp4_gemv).
-  // It copies 16-row pieces of the weights, scales and row exponents with cp.async.bulk (16-byte aligned): tensors off
-  // that alignment (sliced; transform_weights never returns one) take the tile walk, whose tensor maps refuse
-  // misaligned weights with an error.
+  // It copies pieces of 16-64 rows of the weights, scales and row exponents with cp.async.bulk and TMA (16-byte
+  // aligned): tensors off that alignment (sliced; transform_weights never returns one) take the tile walk, whose tensor
+  // maps refuse misaligned weights with an error.
   const auto aligned16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
   const bool weights_aligned = aligned16(l1_weights) && aligned16(l2_weights) && aligned16(l1_weights_sf) &&
                                aligned16(l2_weights_sf) && aligned16(l1_weights_global_sf) &&
