@@ -1102,11 +1102,15 @@ def gemv_forms_outputs(case, switch, monkeypatch):
     return outs
 
 
+# The shapes both weight formats' form tests share (E, H, I, top_k): L1 / L2 chunks an item 2 / 1, - / 3 (hidden 1152:
+# row-major scales), 5 / 1.
+GEMV_FORM_SHAPES = [(16, 1024, 512, 4), (16, 1152, 1536, 4), (24, 2560, 512, 6)]
+GEMV_FORM_IDS = ["two-and-one-chunks", "row-scales-three-chunks", "five-chunks"]
+
+
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
-@pytest.mark.parametrize("shape", [(16, 1024, 512, 4), (16, 1152, 1536, 4), (24, 2560, 512, 6), (64, 512, 1536, 64),
-                                   (64, 512, 1024, 64)],
-                         ids=["two-and-one-chunks", "row-scales-three-chunks", "five-chunks", "l2-one-stage-fits",
-                              "l2-five-stages-fit"])
+@pytest.mark.parametrize("shape", GEMV_FORM_SHAPES + [(64, 512, 1536, 64), (64, 512, 1024, 64)],
+                         ids=GEMV_FORM_IDS + ["l2-one-stage-fits", "l2-five-stages-fit"])
 def test_fp4_gemv_mxfp4_wgmma_and_bf16_forms(shape, act_format, monkeypatch):
     """MXFP4 on the GEMV's two forms, by layer (MEGAMOE_FP4_GEMV_FP8MMA, bit 0 L1, bit 1 L2): FP8 wgmmas on weights and
     tokens folded to E4M3 (where a layer's K is whole chunks of 512) and BF16 mma.sync on exact products: each setting
@@ -1122,10 +1126,8 @@ def test_fp4_gemv_mxfp4_wgmma_and_bf16_forms(shape, act_format, monkeypatch):
 
 
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
-@pytest.mark.parametrize("shape", [(16, 1024, 512, 4), (16, 1152, 1536, 4), (24, 2560, 512, 6), (64, 512, 1024, 64),
-                                   (8, 4096, 2048, 6)],
-                         ids=["two-and-one-chunks", "row-scales-three-chunks", "five-chunks", "l2-no-room",
-                              "v4-flash-layers"])
+@pytest.mark.parametrize("shape", GEMV_FORM_SHAPES + [(64, 512, 1024, 64), (8, 4096, 2048, 6)],
+                         ids=GEMV_FORM_IDS + ["l2-no-room", "v4-flash-layers"])
 def test_fp4_gemv_nvfp4_wgmma_and_bf16_forms(shape, act_format, monkeypatch):
     """NVFP4 on the GEMV's two forms, by layer (MEGAMOE_FP4_GEMV_NV_FP8MMA, bit 0 L1, bit 1 L2 with FP8 tokens): FP8
     wgmmas on the unscaled E2M1 weights against B operands that keep each token lane's K in its own column (each
