@@ -356,11 +356,13 @@ inline bool fp4_gemv(int64_t num_tokens, int64_t num_ranks, bool supported, int 
 // NOTES (H100, 2026-11-27, perf-notes forty-seventh session, T=1, 3 rounds, time over turns in both layers): L2 in
 // runs 0.939 (V4-Pro NVFP4 w4a4; 1.565 -> 1.471 x floor), 0.997 (V4-Flash); the other pairs 0.993-1.011, L1 in runs
 // too 0.997-1.022: runs for L2 with NVFP4 tokens only.
-inline int fp4_gemv_runs(bool nvfp4_tokens) {
-  const char* env = std::getenv("MEGAMOE_FP4_GEMV_RUNS");
-  if (env != nullptr && env[0] >= '0' && env[0] <= '3') return env[0] - '0';
-  return nvfp4_tokens ? 2 : 0;
+// A per-layer switch of the GEMV (bit 0: L1, bit 1: L2) from environment variable `name` ('0'-'3', read per call),
+// else `fallback`.
+inline int fp4_gemv_layer_bits(const char* name, int fallback) {
+  const char* env = std::getenv(name);
+  return env != nullptr && env[0] >= '0' && env[0] <= '3' ? env[0] - '0' : fallback;
 }
+inline int fp4_gemv_runs(bool nvfp4_tokens) { return fp4_gemv_layer_bits("MEGAMOE_FP4_GEMV_RUNS", nvfp4_tokens ? 2 : 0); }
 
 // Which GEMV layers take MXFP4 weights on FP8 wgmmas (bit 0: L1, bit 1: L2; sm90_fp4_gemv.cu, consume_chunks) instead
 // of the BF16 decode on mma.sync: each weight folded to E4M3 relative to its row's largest scale (the fold tables, as
@@ -375,11 +377,7 @@ inline int fp4_gemv_runs(bool nvfp4_tokens) {
 // floor 1.525 / 1.504 for w4a4 / w4a8), 0.959 at V4-Pro (1.301); L2 alone 0.980-0.988, L1 alone 0.96 (V4-Flash) /
 // 1.00-1.02 (V4-Pro).
 // MEGAMOE_FP4_GEMV_FP8MMA (read per call: 0-3) overrides.
-inline int fp4_gemv_fp8_mma() {
-  const char* env = std::getenv("MEGAMOE_FP4_GEMV_FP8MMA");
-  if (env != nullptr && env[0] >= '0' && env[0] <= '3') return env[0] - '0';
-  return 3;
-}
+inline int fp4_gemv_fp8_mma() { return fp4_gemv_layer_bits("MEGAMOE_FP4_GEMV_FP8MMA", 3); }
 
 // Which GEMV layers take NVFP4 weights on FP8 wgmmas (bit 0: L1, bit 1: L2 with FP8 tokens; sm90_fp4_gemv.cu,
 // consume_chunks_nv) instead of the BF16 decode on mma.sync. E2M1 is exact in E4M3 and UE4M3 is not a power of two, so
@@ -392,11 +390,7 @@ inline int fp4_gemv_fp8_mma() {
 // graph): V4-Flash w4a8 0.899 (0.887), x floor 1.614 -> 1.440; w4a4 (L1 only) 0.907 (0.897), 1.838 -> 1.653; V4-Pro
 // w4a8 / w4a4 (L1 only) 0.974 / 0.964. L1 alone / L2 alone at V4-Flash w4a8: 0.927 / 0.929.
 // MEGAMOE_FP4_GEMV_NV_FP8MMA (read per call: 0-3) overrides.
-inline int fp4_gemv_nv_fp8_mma() {
-  const char* env = std::getenv("MEGAMOE_FP4_GEMV_NV_FP8MMA");
-  if (env != nullptr && env[0] >= '0' && env[0] <= '3') return env[0] - '0';
-  return 3;
-}
+inline int fp4_gemv_nv_fp8_mma() { return fp4_gemv_layer_bits("MEGAMOE_FP4_GEMV_NV_FP8MMA", 3); }
 
 // FP8-wgmma path (MXFP4 weights) with FP8 tokens: the gather folds L1's tokens per 128-K group (one factor each) as it
 // copies them, and L1's epilogue writes L2's input folded the same way, instead of every tile's converter warps folding
