@@ -17,8 +17,8 @@ as it lands (no consumer work). Patterns:
   gemv        the FP4 GEMV's wgmma ring (sm90_fp4_gemv.cu, produce_chunks): a stage is an item's 64 rows over one
               512-K chunk (256 bytes of a [rows, 2048] map: V4-Flash L1's K 4096 in E2M1), as boxes of box_rows
               rows x box_inner bytes (256: no swizzle, as the kernel; 128: 128B-swizzled, two boxes across the chunk),
-              items' chunks innermost, plus `extras` small copies a stage from a side buffer (the kernel's scale
-              pieces and row exponents: half of them 256 bytes, half 16); 3 items a CTA on every SM, 8 stages.
+              items' chunks innermost, plus small copies a stage from a side buffer (the kernel's scale pieces and
+              row exponents, case by case as each format's stage issues them); 3 items a CTA on every SM, 8 stages.
 The "tile" cases stream 1 MB per CTA on 96 CTAs, one V4-Flash T=1 L1 weight tile per SM as the fused GEMM
 runs it: their time, ramp and tail included, is what the L1 phase would take with no consumer in the way. The
 "dynamic" cases stream the same 96 tiles in units (1 MB to 64 KB) that CTAs take from an atomic counter.
@@ -68,8 +68,12 @@ __global__ void __launch_bounds__(32, 1) stream_kernel(const uint8_t* src, int64
   auto issue = [&](int64_t i) {
     const int s = static_cast<int>(i % stages);
     uint8_t* dst = smem + int64_t(s) * stage_bytes;
-    // gemv: the stage's extra copies land after its rows (extras / 2 of 256 bytes, then extras / 2 of 16)
-    const int extra_bytes = rows_pattern == 3 ? (extras / 2) * 256 + (extras - extras / 2) * 16 : 0;
+    // gemv: the stage's extra copies land after its rows. extras packs n_big | n_small << 4 | big / 16 << 8 |
+    // small / 16 << 16: n_big copies of big bytes, then n_small of small bytes (the kernel's scale pieces and row
+    // exponents), within 4 KB a stage.
+    const int n_big = extras & 15, n_small = (extras >> 4) & 15, big = ((extras >> 8) & 255) * 16,
+              small = ((extras >> 16) & 255) * 16;
+    const int extra_bytes = rows_pattern == 3 ? n_big * big + n_small * small : 0;
     if (lane == 0)
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(&full[s])),
                    "r"(stage_bytes + extra_bytes) : "memory");
@@ -87,11 +91,11 @@ __global__ void __launch_bounds__(32, 1) stream_kernel(const uint8_t* src, int64
                      ::"r"(saddr(to)), "l"(reinterpret_cast<uint64_t>(&tmap)), "r"(saddr(&full[s])),
                      "r"(c * 256 + h * box_inner), "r"(row0 + rb * box_rows) : "memory");
       }
-      if (lane < extras) {
-        const int big = extras / 2, bytes = lane < big ? 256 : 16;
-        const int64_t off = (int64_t(blockIdx.x) * num_loads + i) * 1024 + (lane < big ? lane * 256 : (lane - big) * 16);
-        uint8_t* to = smem + int64_t(stages) * stage_bytes + 1024 + int64_t(s) * 1024 +
-                      (lane < big ? lane * 256 : big * 256 + (lane - big) * 16);
+      if (lane < n_big + n_small) {
+        const int bytes = lane < n_big ? big : small;
+        const int at = lane < n_big ? lane * big : n_big * big + (lane - n_big) * small;
+        const int64_t off = (int64_t(blockIdx.x) * num_loads + i) * 4096 + at;
+        uint8_t* to = smem + int64_t(stages) * stage_bytes + 1024 + int64_t(s) * 4096 + at;
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                      ::"r"(saddr(to)), "l"(side + off), "r"(bytes), "r"(saddr(&full[s])) : "memory");
       }
@@ -185,8 +189,8 @@ cudaError_t launch_stream(const uint8_t* src, int num_ctas, int64_t bytes_per_ct
                           int rows_pattern, int row_stride, int64_t wrap_bytes, const CUtensorMap& tmap,
                           int box_rows, int box_inner, int extras, const uint8_t* side, cudaStream_t stream) {
   // At least 116 KB so that two CTAs never share an SM (one streaming warp per SM, as in the GEMMs). Layout: the
-  // stages, their barriers (within 1 KB), then (gemv) 1 KB of extra copies a stage.
-  const int used = stages * stage_bytes + 1024 + (rows_pattern == 3 ? stages * 1024 : 0) + 1024;
+  // stages, their barriers (within 1 KB), then (gemv) 4 KB of extra copies a stage.
+  const int used = stages * stage_bytes + 1024 + (rows_pattern == 3 ? stages * 4096 : 0) + 1024;
   const int smem = used > 116 * 1024 ? used : 116 * 1024;
   const cudaError_t err = cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
@@ -248,7 +252,7 @@ void dynamic(torch::Tensor src, torch::Tensor counter, int64_t base, int64_t num
 }
 
 // pattern: 0 contiguous, 1 rows, 2 tensor, 3 gemv (see the module docstring; box_rows, box_inner, extras and side
-// only for gemv: side holds 1 KB a stage of every CTA).
+// only for gemv: side holds 4 KB a stage of every CTA).
 void stream(torch::Tensor src, int64_t num_ctas, int64_t bytes_per_cta, int64_t stage_bytes, int64_t stages,
             int64_t rows_pattern, int64_t row_stride, int64_t wrap_bytes, int64_t box_rows, int64_t box_inner,
             int64_t extras, torch::Tensor side) {
@@ -257,11 +261,13 @@ void stream(torch::Tensor src, int64_t num_ctas, int64_t bytes_per_cta, int64_t 
                                                : CUtensorMap{};
   TORCH_CHECK(src.is_cuda() && src.numel() >= num_ctas * bytes_per_cta, "src: too small");
   TORCH_CHECK(rows_pattern != 3 || (stage_bytes == 64 * 256 && (box_inner == 128 || box_inner == 256) &&
-                                    64 % box_rows == 0 && extras >= 0 && extras <= 8 &&
+                                    64 % box_rows == 0 && (extras & 15) + ((extras >> 4) & 15) <= 8 &&
+                                    (extras & 15) * ((extras >> 8) & 255) * 16 +
+                                            ((extras >> 4) & 15) * ((extras >> 16) & 255) * 16 <= 4096 &&
                                     bytes_per_cta % (64 * row_stride) == 0 &&
-                                    side.numel() >= num_ctas * (bytes_per_cta / stage_bytes) * 1024),
-              "gemv pattern: 16 KB stages of 64 rows, box_inner 128 or 256, box_rows dividing 64, extras 0-8, whole "
-              "items a CTA, side 1 KB a stage");
+                                    side.numel() >= num_ctas * (bytes_per_cta / stage_bytes) * 4096),
+              "gemv pattern: 16 KB stages of 64 rows, box_inner 128 or 256, box_rows dividing 64, at most 8 extra "
+              "copies of 4 KB in all a stage, whole items a CTA, side 4 KB a stage");
   const int64_t row_block = stage_bytes / 128 * row_stride;  // rows pattern: bytes of one block of rows
   TORCH_CHECK(bytes_per_cta % stage_bytes == 0 &&
                   (rows_pattern == 0 || rows_pattern == 3 || bytes_per_cta % row_block == 0),
@@ -294,7 +300,7 @@ def main():
     per_cta = args.bytes_per_cta
     src = torch.empty(sms * per_cta, dtype=torch.uint8, device="cuda")
     src.random_(0, 256)
-    side = torch.zeros(sms * (per_cta // 16384) * 1024, dtype=torch.uint8, device="cuda")  # gemv: 1 KB a stage
+    side = torch.zeros(sms * (per_cta // 16384) * 4096, dtype=torch.uint8, device="cuda")  # gemv: 4 KB a stage
     copy_tbs = bu.measure_copy_bandwidth() / 1e12
     print(f"{props.name}: {sms} SMs, device copy {copy_tbs:.2f} TB/s (read + write)")
     rows = []
@@ -341,11 +347,32 @@ def main():
         # the kernel's L1 at ~0.73 of the copy ceiling (2026-11-27 timeline) when a contiguous stream of the same
         # stages does better?
         item_bytes, gemv_cta = 64 * 2048, 3 * 64 * 2048
-        print(f"{'gemv':6} {'box rows':>8} {'inner':>5} {'extras':>6} {'stages':>6} {'SMs':>4} {'µs':>7} {'TB/s':>6} "
-              f"{'/ copy':>6} {'GB/s per SM':>11}")
-        gemv_cases = [(r, 256, x, 8) for r in (16, 32, 64) for x in (0, 2 * 64 // r)] + [(16, 128, 0, 8), (64, 128, 0, 8),
-                                                                                      (16, 256, 8, 12), (64, 256, 0, 12)]
-        for box_rows, box_inner, extras, stages in [(0, 0, 0, 8)] + gemv_cases:  # (0, ...): contiguous 16 KB copies
+        print(f"{'gemv':6} {'case':24} {'box rows':>8} {'inner':>5} {'extras':>16} {'stages':>6} {'SMs':>4} {'µs':>7} "
+              f"{'TB/s':>6} {'/ copy':>6} {'GB/s per SM':>11}")
+        # (name, box rows, box inner bytes, (n_big, big bytes, n_small, small bytes), stages); box rows 0: contiguous
+        # 16 KB copies. The kernel's stages (produce_chunks, scale_tiles layouts): MXFP4 L1 two runs of 32 rows (a
+        # 512-byte scale piece and 32 row exponents each), L2 one run of 64; NVFP4 a tile a run (two 256-byte scale
+        # pieces a tile).
+        gemv_cases = [
+            ("contiguous", 0, 0, (0, 0, 0, 0), 8),
+            ("box16", 16, 256, (0, 0, 0, 0), 8),
+            ("box32", 32, 256, (0, 0, 0, 0), 8),
+            ("box64", 64, 256, (0, 0, 0, 0), 8),
+            ("box64 swz128", 64, 128, (0, 0, 0, 0), 8),
+            ("mxfp4 L1 (main)", 32, 256, (2, 512, 2, 32), 8),
+            ("mxfp4 L1 no exps", 32, 256, (2, 512, 0, 0), 8),
+            ("mxfp4 L1 exps a tile", 16, 256, (4, 256, 4, 16), 8),
+            ("mxfp4 L2 (main)", 64, 256, (1, 1024, 1, 64), 8),
+            ("mxfp4 L2 no exps", 64, 256, (1, 1024, 0, 0), 8),
+            ("nvfp4 (main)", 16, 256, (8, 256, 0, 0), 8),
+            ("nvfp4 box64 (nvbox)", 64, 256, (8, 256, 0, 0), 8),
+            ("nvfp4 box64 2 pieces", 64, 256, (2, 1024, 0, 0), 8),
+            ("nvfp4 box16 4 pieces", 16, 256, (4, 512, 0, 0), 8),
+            ("nvfp4 box64 1 piece", 64, 256, (1, 2048, 0, 0), 8),
+        ]
+        for name, box_rows, box_inner, (n_big, big, n_small, small), stages in gemv_cases:
+            extras = n_big | n_small << 4 | (big // 16) << 8 | (small // 16) << 16
+
             def call():
                 if box_rows == 0:
                     mod.stream(src, sms, gemv_cta, 16384, stages, 0, 2048, 0, 0, 0, 0, side)
@@ -353,15 +380,16 @@ def main():
                     mod.stream(src, sms, gemv_cta, 16384, stages, 3, 2048, 0, box_rows, box_inner, extras, side)
 
             us = bu.time_events(call, iters=15, flush=True)
-            nbytes = sms * gemv_cta + (sms * gemv_cta // 16384) * ((extras // 2) * 256 + (extras - extras // 2) * 16)
+            nbytes = sms * gemv_cta + (sms * gemv_cta // 16384) * (n_big * big + n_small * small)
             tbs = nbytes / us / 1e6
-            rows.append(dict(source="HBM", pattern="gemv" if box_rows else "contiguous", sms=sms, stages=stages,
-                             stage_bytes=16384, bytes_per_cta=gemv_cta, box_rows=box_rows, box_inner=box_inner,
-                             extras=extras, items_per_cta=gemv_cta // item_bytes, us=round(us, 1),
-                             tb_per_s=round(tbs, 3), over_copy=round(tbs / copy_tbs, 3),
-                             gb_per_s_per_sm=round(tbs * 1000 / sms, 1)))
-            print(f"{'HBM':6} {box_rows or '-':>8} {box_inner or '-':>5} {extras:6d} {stages:6d} {sms:4d} {us:7.1f} "
-                  f"{tbs:6.2f} {tbs / copy_tbs:6.2f} {tbs * 1000 / sms:11.1f}", flush=True)
+            rows.append(dict(source="HBM", pattern="gemv" if box_rows else "contiguous", case=name, sms=sms,
+                             stages=stages, stage_bytes=16384, bytes_per_cta=gemv_cta, box_rows=box_rows,
+                             box_inner=box_inner, extras=[n_big, big, n_small, small],
+                             items_per_cta=gemv_cta // item_bytes, us=round(us, 1), tb_per_s=round(tbs, 3),
+                             over_copy=round(tbs / copy_tbs, 3), gb_per_s_per_sm=round(tbs * 1000 / sms, 1)))
+            print(f"{'HBM':6} {name:24} {box_rows or '-':>8} {box_inner or '-':>5} "
+                  f"{f'{n_big}x{big}+{n_small}x{small}':>16} {stages:6d} {sms:4d} {us:7.1f} {tbs:6.2f} "
+                  f"{tbs / copy_tbs:6.2f} {tbs * 1000 / sms:11.1f}", flush=True)
     if "dynamic" in patterns:
         # 96 tiles of 1 MB (V4-Flash T=1's L1 weights) in units handed out by an atomic counter, against the
         # static walk above (one tile per CTA): does dynamic hand-out end the CTAs together (no tail)?
