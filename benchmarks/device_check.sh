@@ -16,7 +16,8 @@
 #   profile: profile_moe.py per kernel for PROFILE_CASES (space-separated fmt:act, default fp8:fp8) at PROFILE_TOKENS
 #   (1,128,8192) of PROFILE_MODEL (V4-Flash); PROFILE_TIMELINE=1 adds the graph-replay timeline.
 #   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below; NCU_KERNELS: another kernel-name regex).
-#   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py).
+#   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py; STREAM_PATTERNS
+#   picks its --patterns, e.g. gemv: the FP4 GEMV's chunk ring by box shape and small copies).
 #   trace: tile traces (tile_trace.py) from a MEGAMOE_TILE_TRACE build, TRACE_CASES (fmt:act:T, default MXFP4 w4a8 at
 #   T = 1, 16, 512), TRACE_MODEL (V4-Flash): trace-*.txt / .json.
 #   probe: the FP4 consumer-loop probe (probe_fp4.py: decode + register-A wgmmas in shared memory) and the FP8 loop's
@@ -74,7 +75,8 @@ if has fp4; then
   python3 benchmarks/bench_fp4_probe.py --check --bench --tokens 1,16,128,512 2>&1 | tee "$out/fp4-probe.log"
 fi
 if has stream; then
-  python3 benchmarks/probe_stream.py --json "$out/stream.json" 2>&1 | tee "$out/stream.log"
+  python3 benchmarks/probe_stream.py --json "$out/stream.json" ${STREAM_PATTERNS:+--patterns "$STREAM_PATTERNS"} 2>&1 \
+    | tee "$out/stream.log"
 fi
 if has profile; then
   for case in ${PROFILE_CASES:-fp8:fp8}; do
