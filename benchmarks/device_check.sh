@@ -14,7 +14,9 @@
 #   clocks: SM clock, power and throttle reasons (nvidia-smi every 50 ms) during bench_moe at CLOCK_TOKENS (8192) for
 #   CLOCK_MODEL (V4-Flash), FP8, no peer: clocks.csv, clocks.log.
 #   profile: profile_moe.py per kernel for PROFILE_CASES (space-separated fmt:act, default fp8:fp8) at PROFILE_TOKENS
-#   (1,128,8192) of PROFILE_MODEL (V4-Flash); PROFILE_TIMELINE=1 adds the graph-replay timeline.
+#   (1,128,8192) of PROFILE_MODEL (V4-Flash); PROFILE_TIMELINE=1 adds the graph-replay timeline (PROFILE_FLUSH=1: each
+#   replay after an L2 flush, as the bench's per-replay figure); PROFILE_ABLATIONS (space-separated ablate.py patch
+#   lists, "none" for this tree) profile ablated copies of the tree in turn.
 #   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below; NCU_KERNELS: another kernel-name regex).
 #   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py; STREAM_PATTERNS
 #   picks its --patterns, e.g. gemv: the FP4 GEMV's chunk ring by box shape and small copies).
@@ -79,9 +81,17 @@ if has stream; then
     | tee "$out/stream.log"
 fi
 if has profile; then
-  for case in ${PROFILE_CASES:-fp8:fp8}; do
-    (cd benchmarks && python3 profile_moe.py --model "${PROFILE_MODEL:-V4-Flash}" --tokens "${PROFILE_TOKENS:-1,128,8192}" \
-      --format "${case%%:*}" --act-format "${case##*:}" $([ "${PROFILE_TIMELINE:-0}" = 1 ] && echo --timeline))
+  for ablation in ${PROFILE_ABLATIONS:-none}; do
+    tree=$PWD
+    if [ "$ablation" != none ]; then
+      tree=$(patched_tree "$ablation" "build-profile-$ablation.log") || exit 1
+    fi
+    for case in ${PROFILE_CASES:-fp8:fp8}; do
+      echo "== tree: ${ablation/none/this}"
+      (cd "$tree/benchmarks" && PYTHONPATH="$tree" python3 profile_moe.py --model "${PROFILE_MODEL:-V4-Flash}" \
+        --tokens "${PROFILE_TOKENS:-1,128,8192}" --format "${case%%:*}" --act-format "${case##*:}" \
+        $([ "${PROFILE_TIMELINE:-0}" = 1 ] && echo --timeline) $([ "${PROFILE_FLUSH:-0}" = 1 ] && echo --flush))
+    done
   done 2>&1 | tee "$out/profile.log"
 fi
 if has ncu; then
