@@ -27,6 +27,9 @@
 #   ep: expert parallelism on every GPU of the machine: tests/test_ep.py (EP_FORMATS, default fp8:fp8) then bench_ep.py
 #   (V4-Flash, --formats EP_BENCH_FORMATS, default fp8), once per setting in EP_SETTINGS (space-separated, each
 #   "-" or a comma list of VAR=VALUE, e.g. "- MEGAMOE_FP8_FUSED=1"; EP_TESTS=0 / EP_BENCH=0 skip a step; EP_BENCH_ARGS, e.g. "--alt-env MEGAMOE_FP8_FUSED=1", go to bench_ep.py); logs in ep.log, rows in ep-<setting>.json.
+#   bench_ep.py fails the call when a row differs from the NCCL pipeline by more than 1e-2. At 8 ranks the tests take
+#   about twice EP=4's ~235 s for four FP4 pairs: one format pair a call, EP_BENCH=0 for the test calls, and
+#   EP_SHAPES=flash-large once (its pool regions start past 2^31 at 8 ranks: docs/perf-notes.md, fifty-third session).
 #   eptrace: the EP launch chain's phases at decode (ep_trace.py) on every GPU of the machine, from a MEGAMOE_PHASE_TRACE
 #   build, per EPTRACE_CASES entry (fmt:act:tokens per rank, default fp8:fp8:1 mxfp4:fp8:1), model EPTRACE_MODEL.
 #   Modes combine with commas (e.g. fp4,bench); BENCH_FORMATS picks bench_moe's --formats (default fp8).

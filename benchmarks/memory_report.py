@@ -3,7 +3,9 @@
 - each weight format's kernel-layout bytes per expert (`transform_weights` of one random expert, L1 + L2, weights and
   every scale: what the GPU keeps and what a decode step streams per touched expert), against FP8's;
 - the per-rank buffer (`get_buffer_layout`'s total) for FP8 and FP4 activations at DeepSeek-V4 shapes, per
-  max_tokens_per_rank and number of ranks.
+  max_tokens_per_rank and number of ranks;
+- the workspace an NVFP4-activation (w4a4) call allocates beside the buffer: L1's float32 outputs, whose per-row
+  global scale needs the whole row before L2's quantization (cuda_fp4_ops.cpp).
 
     python benchmarks/memory_report.py [--models V4-Flash,V4-Pro] [--tokens 128,512,2048,8192] [--ranks 1,8]
         [--json out.json]
@@ -48,6 +50,18 @@ def buffer_bytes(cfg: dict, num_ranks: int, max_tokens_per_rank: int, act_format
                          cfg["intermediate"], act_format)["total_bytes"]
 
 
+def nvfp4_act_workspace_bytes(cfg: dict, num_ranks: int, max_tokens_per_rank: int) -> int:
+    """Bytes of the float32 [rows, intermediate] workspace of a w4a4 NVFP4 call with max_tokens_per_rank tokens: at one
+    rank its tokens x top_k rows; with peers the buffer's pool_rows (every rank's tokens could come to this one, and
+    the host does not read how many did)."""
+    if num_ranks == 1:
+        rows = max(max_tokens_per_rank * cfg["top_k"], 1)
+    else:
+        rows = buffer_layout(cfg["num_experts"], num_ranks, max_tokens_per_rank, cfg["top_k"], cfg["hidden"],
+                             cfg["intermediate"], "fp4")["pool_rows"]
+    return rows * cfg["intermediate"] * 4
+
+
 def report(models: dict, tokens, ranks) -> dict:
     weights, buffers = [], []
     for name, cfg in models.items():
@@ -62,6 +76,7 @@ def report(models: dict, tokens, ranks) -> dict:
                 for act in ("fp8", "fp4"):
                     row[f"{act}_bytes"] = buffer_bytes(cfg, r, t, act)
                 row["fp4_vs_fp8"] = round(row["fp4_bytes"] / row["fp8_bytes"], 4)
+                row["nvfp4_act_workspace_bytes"] = nvfp4_act_workspace_bytes(cfg, r, t)
                 buffers.append(row)
     return dict(weights=weights, buffers=buffers)
 
@@ -82,11 +97,12 @@ def main():
         print(f"| {w['model']} | {w['weight_format']} | {w['bytes_per_expert'] / mb:.2f} | {w['vs_fp8']:.3f} | "
               f"{w['layer_bytes'] / (1 << 30):.2f} |")
     print()
-    print("| model | ranks | max tokens per rank | buffer MiB per rank, FP8 activations | FP4 activations | FP4 / FP8 |")
-    print("|---|---|---|---|---|---|")
+    print("| model | ranks | max tokens per rank | buffer MiB per rank, FP8 activations | FP4 activations | FP4 / FP8 "
+          "| NVFP4 w4a4 call's workspace MiB (beside the buffer) |")
+    print("|---|---|---|---|---|---|---|")
     for b in doc["buffers"]:
         print(f"| {b['model']} | {b['num_ranks']} | {b['max_tokens_per_rank']} | {b['fp8_bytes'] / mb:,.1f} | "
-              f"{b['fp4_bytes'] / mb:,.1f} | {b['fp4_vs_fp8']:.3f} |")
+              f"{b['fp4_bytes'] / mb:,.1f} | {b['fp4_vs_fp8']:.3f} | {b['nvfp4_act_workspace_bytes'] / mb:,.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -385,7 +385,9 @@ def region_sizes(lay, top_k, hidden):
 @pytest.mark.parametrize("cfg", [(8, 1, 33, 3, 256, 384), (16, 1, 1, 4, 512, 256), (8, 1, 0, 3, 256, 384),
                                  (256, 4, 100, 6, 4096, 2048), (6, 2, 17, 6, 128, 128),
                                  # EP=8 at DeepSeek-V4 shapes (V4-Flash 8,192 and V4-Pro 2,048 tokens per rank)
-                                 (256, 8, 8192, 6, 4096, 2048), (384, 8, 2048, 6, 7168, 3072)],
+                                 (256, 8, 8192, 6, 4096, 2048), (384, 8, 2048, 6, 7168, 3072),
+                                 # regions past 2^31 (V4-Pro 8,192 tokens per rank) and past 2^32 (top_k 8)
+                                 (384, 8, 8192, 6, 7168, 3072), (384, 8, 8192, 8, 7168, 3072)],
                          ids=lambda c: "E{}-R{}-T{}-K{}-H{}-I{}".format(*c))
 def test_buffer_layout(cfg, act_format):
     e, ranks, cap, k, h, i = cfg

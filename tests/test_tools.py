@@ -175,6 +175,7 @@ def test_memory_report_small_layer():
     by keyword; the buffer grows with the tokens and the ranks, and FP4 activations take less than FP8's."""
     from megamoe.buffer import buffer_layout
     memory_report = load_tool("memory_report")
+    align_up = lambda v, a: (v + a - 1) // a * a  # noqa: E731
     cfg = dict(num_experts=4, top_k=2, hidden=256, intermediate=128)
     doc = memory_report.report({"small": cfg}, [16, 64], [1, 2])
     per = {w["weight_format"]: w["bytes_per_expert"] for w in doc["weights"]}
@@ -192,6 +193,9 @@ def test_memory_report_small_layer():
                                  intermediate=128, act_format=act)["total_bytes"]
             assert b[f"{act}_bytes"] == want
         assert 0 < b["fp4_bytes"] < b["fp8_bytes"]
+        # the w4a4 NVFP4 workspace: float32 L1 outputs, the call's rows at one rank, the pool's worst case with peers
+        want_rows = tokens * 2 if ranks == 1 else align_up(ranks * tokens * 2, 128)
+        assert b["nvfp4_act_workspace_bytes"] == want_rows * 128 * 4
     # (pool rows round up to 128, so the ranks are compared at 64 tokens: 128 and 256 routed rows)
     assert rows[(1, 16)]["fp8_bytes"] < rows[(1, 64)]["fp8_bytes"] < rows[(2, 64)]["fp8_bytes"]
 

@@ -442,6 +442,8 @@ __global__ void __launch_bounds__(kGatherThreads, kFold != kGatherCopy ? 2 : 4)
 // once (occupancy query at launch), so every block is resident once the L2 grid has left and the wait
 // cannot starve block (0, 0).
 constexpr int kCombineThreads = 128;
+static_assert(kCombineThreads >= layout::kMaxRanks && kRoutingThreads >= layout::kMaxRanks,
+              "ep_signal / ep_wait: a thread of the block per rank");
 constexpr int kCombineSlots = 8;  // slots of a token whose rows are loaded together (any top_k: in chunks)
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(__nv_bfloat16* y, uint8_t* buffer,
                                                                   layout::BufferLayout l, int rank, int num_tokens) {

@@ -9,6 +9,8 @@ void check_config(int64_t num_experts, int64_t num_ranks, int64_t rank, int64_t 
                   int64_t top_k, int64_t hidden, int64_t intermediate) {
   MEGAMOE_CHECK_POSITIVE(num_experts, "num_experts");
   MEGAMOE_CHECK_POSITIVE(num_ranks, "num_ranks");
+  TORCH_CHECK_VALUE(num_ranks <= layout::kMaxRanks, "num_ranks: expected at most ", layout::kMaxRanks,
+                    " (the EP barriers take one thread of a block per rank), got ", num_ranks);
   TORCH_CHECK_VALUE(rank >= 0 && rank < num_ranks, "rank: expected a value in [0, ", num_ranks,
                     "), got ", rank);
   MEGAMOE_CHECK_MULTIPLE(num_experts, "num_experts (experts split evenly over num_ranks)", num_ranks);
@@ -17,6 +19,11 @@ void check_config(int64_t num_experts, int64_t num_ranks, int64_t rank, int64_t 
   MEGAMOE_CHECK_POSITIVE(top_k, "top_k");
   TORCH_CHECK_VALUE(top_k <= num_experts, "top_k: expected a value <= num_experts (", num_experts,
                     "), got ", top_k);
+  // num_ranks <= 128 and top_k <= num_experts keep the divisor positive and this test free of overflow
+  TORCH_CHECK_VALUE(max_tokens_per_rank <= layout::kMaxPoolRows / (num_ranks * top_k),
+                    "max_tokens_per_rank: expected num_ranks x max_tokens_per_rank x top_k <= ", layout::kMaxPoolRows,
+                    " (the kernels number the pool's rows in int32), got ", num_ranks, " x ", max_tokens_per_rank,
+                    " x ", top_k);
   MEGAMOE_CHECK_POSITIVE(hidden, "hidden");
   MEGAMOE_CHECK_MULTIPLE(hidden, "hidden", 128);
   MEGAMOE_CHECK_POSITIVE(intermediate, "intermediate");

@@ -27,6 +27,12 @@ enum ErrorCode : int32_t {
 
 constexpr int64_t kAlignment = 128;  // every region starts on a 128-byte boundary (TMA needs 16)
 constexpr int64_t kNumErrorWords = 4;
+// At most this many ranks: in the EP barriers (ep_signal / ep_wait) thread q of a block signals and waits for rank q,
+// and the smallest block that takes part (the combine's) has 128 threads.
+constexpr int64_t kMaxRanks = 128;
+// The kernels number the pool's rows (rank, token, slot) in int32: num_ranks x max_tokens_per_rank x top_k, rounded up
+// to 128 (pool_rows), must stay below 2^31.
+constexpr int64_t kMaxPoolRows = (int64_t(1) << 31) - 128;
 
 MEGAMOE_HOST_DEVICE int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
