@@ -41,6 +41,7 @@ FP4 GEMV (T=1, sm90_fp4_gemv.cu):
                      on whatever the ring holds, never waiting for bytes (their own time alone)
   gemv-chunks-no-consume  the wgmma form (MXFP4): the consumers take no 128-K group of any chunk (they still wait for
                      each stage and release it): the chunk ring's streaming rate alone
+  gemv-chunks-nv-no-consume  the same for NVFP4's wgmma form (consume_chunks_nv)
   gemv-chunks-no-stream   the wgmma form: the producer copies nothing (it arrives on each stage's full barrier
                      plainly): the consumers' decode and wgmmas alone
   gemv-nvfp4-no-scratch  NVFP4 tokens: L1's epilogue stores no float32 outputs and amaxes (L2 quantizes whatever the
@@ -188,6 +189,10 @@ PATCHES = {
     "gemv-chunks-no-consume": [
         ("      for (int lg = 0; lg < kChunkBlocks / 4; ++lg) {  // the chunk's 128-K groups",
          "      for (int lg = 0; lg < 0; ++lg) {  // the chunk's 128-K groups"),
+    ],
+    "gemv-chunks-nv-no-consume": [
+        ("      for (int lg = 0; lg < kChunkBlocks / 4; ++lg) {  // NVFP4: the chunk's 128-K groups",
+         "      for (int lg = 0; lg < 0; ++lg) {  // NVFP4: the chunk's 128-K groups"),
     ],
     "gemv-chunks-no-stream": [
         ("      if (lane == 0) ptx::mbarrier_arrive_expect_tx(&s.full[stage], kBytes);\n"
