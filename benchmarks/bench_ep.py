@@ -45,6 +45,7 @@ from bench_moe import MODELS  # the DeepSeek-V4 shapes, one definition for the b
 # against the reference; the 358 rows committed up to 2026-11-27, EP=2 and 4, all read 0.0).
 REL_DIFF_LIMIT = 1e-2
 
+
 def log(msg: str) -> None:
     if dist.get_rank() == 0:
         print(msg, flush=True)
