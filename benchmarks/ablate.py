@@ -3,6 +3,8 @@
 Patches a copy of the source tree so the kernels leave out parts of each stage, to see which of them bounds the main
 loop. FP8 kernel (docs/perf-notes.md, twelfth session: ~1,150 cycles per stage at T=8192 against 641 for the MMA):
   no-scales      no weight-scale or token-scale cp.async (the lanes still arrive: the stage completes without them)
+  no-token-scales  no token-scale cp.async (the weight scales stay): what a single copy of a stage's token scales
+                 could save at most
   no-token-tma   no token tile (its bytes leave the stage's expect_tx)
   no-weight-tma  no weight tile (the consumers multiply whatever the slot holds)
   no-ws-mul      the consumers' promotion without the weight scale (32 FMUL per stage fewer)
@@ -74,6 +76,10 @@ PATCHES = {
          "                if (false && c < t.rows) ptx::cp_async_4(dst + c, src + c);"),
         ("            if (chunk_valid)\n              ptx::cp_async_4(",
          "            if (false && chunk_valid)\n              ptx::cp_async_4("),
+    ],
+    "no-token-scales": [
+        ("                if (c < t.rows) ptx::cp_async_4(dst + c, src + c);",
+         "                if (false && c < t.rows) ptx::cp_async_4(dst + c, src + c);"),
     ],
     "no-token-tma": [
         ("                ptx::mbarrier_arrive_expect_tx(&full[stage], (wide ? kTileCols : kBlockM) * kBlockK);\n"
