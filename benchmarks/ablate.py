@@ -5,6 +5,9 @@ loop. FP8 kernel (docs/perf-notes.md, twelfth session: ~1,150 cycles per stage a
   no-scales      no weight-scale or token-scale cp.async (the lanes still arrive: the stage completes without them)
   no-token-scales  no token-scale cp.async (the weight scales stay): what a single copy of a stage's token scales
                  could save at most
+  ones-scales    no-scales, with every stage's scale slots set to 1.0 once at the start: the copies gone but the
+                 products as large as real ones (no-scales' slots hold whatever shared memory held, zeros included,
+                 which changes the data the MMAs and epilogues see, and with it the power drawn)
   no-token-tma   no token tile (its bytes leave the stage's expect_tx)
   no-weight-tma  no weight tile (the consumers multiply whatever the slot holds)
   no-ws-mul      the consumers' promotion without the weight scale (32 FMUL per stage fewer)
@@ -80,6 +83,15 @@ PATCHES = {
     "no-token-scales": [
         ("                if (c < t.rows) ptx::cp_async_4(dst + c, src + c);",
          "                if (false && c < t.rows) ptx::cp_async_4(dst + c, src + c);"),
+    ],
+    "ones-scales": [
+        ("                if (c < t.rows) ptx::cp_async_4(dst + c, src + c);",
+         "                if (false && c < t.rows) ptx::cp_async_4(dst + c, src + c);"),
+        ("            if (chunk_valid)\n              ptx::cp_async_4(",
+         "            if (false && chunk_valid)\n              ptx::cp_async_4("),
+        ("  // Pair walk: the other CTA's barriers are initialised before any multicast or remote arrival reaches them.\n",
+         "  for (int i = threadIdx.x; i < kNumStages * (Smem::kScales / 4); i += blockDim.x) stage_scales[i] = 1.0f;\n"
+         "  // Pair walk: the other CTA's barriers are initialised before any multicast or remote arrival reaches them.\n"),
     ],
     "no-token-tma": [
         ("                ptx::mbarrier_arrive_expect_tx(&full[stage], (wide ? kTileCols : kBlockM) * kBlockK);\n"

@@ -59,7 +59,8 @@ void launch_fp8_grouped_gemms(const GroupedGemmArgs& l1, const GroupedGemmArgs& 
                               cudaStream_t stream);
 
 // 2D tensor map over a row-major byte matrix [outer, inner], 128-byte swizzled boxes {box_inner, box_outer} (swizzle
-// false: boxes land row after row, box_inner bytes apart; box_inner up to 256).
+// false: boxes land row after row, box_inner bytes apart; box_inner up to 256). A box's innermost start coordinate must
+// be a multiple of 16 bytes: an unaligned one trapped (illegal instruction; H100, 2026-11-28, docs/perf-notes.md).
 CUtensorMap make_tensor_map_2d(const void* base, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
                                uint32_t box_inner, uint32_t box_outer, bool swizzle = true);
 
