@@ -84,11 +84,7 @@ PATCHES = {
         ("                if (c < t.rows) ptx::cp_async_4(dst + c, src + c);",
          "                if (false && c < t.rows) ptx::cp_async_4(dst + c, src + c);"),
     ],
-    "ones-scales": [
-        ("                if (c < t.rows) ptx::cp_async_4(dst + c, src + c);",
-         "                if (false && c < t.rows) ptx::cp_async_4(dst + c, src + c);"),
-        ("            if (chunk_valid)\n              ptx::cp_async_4(",
-         "            if (false && chunk_valid)\n              ptx::cp_async_4("),
+    "ones-scales": [  # no-scales' two patches (added below), and:
         ("  // Pair walk: the other CTA's barriers are initialised before any multicast or remote arrival reaches them.\n",
          "  for (int i = threadIdx.x; i < kNumStages * (Smem::kScales / 4); i += blockDim.x) stage_scales[i] = 1.0f;\n"
          "  // Pair walk: the other CTA's barriers are initialised before any multicast or remote arrival reaches them.\n"),
@@ -237,6 +233,9 @@ PATCHES = {
          "p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);\n      }\n"),
     ],
 }
+
+
+PATCHES["ones-scales"] = PATCHES["no-scales"] + PATCHES["ones-scales"]
 
 
 def main():
