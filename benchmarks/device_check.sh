@@ -12,7 +12,9 @@
 #   keep results exact: sync-scales, fill-scales); hazard summaries in race-<variant>.log; RACE_ARGS go to
 #   compute-sanitizer (e.g. "--racecheck-report hazard": every hazard with its addresses and threads).
 #   clocks: SM clock, power and throttle reasons (nvidia-smi every 50 ms) during bench_moe at CLOCK_TOKENS (8192) for
-#   CLOCK_MODEL (V4-Flash), FP8, no peer: clocks.csv, clocks.log.
+#   CLOCK_MODEL (V4-Flash), FP8, no peer: clocks-<tree>.csv, clocks.log; CLOCK_ABLATIONS (space-separated ablate.py patch
+#   lists, "none" for this tree) runs ablated copies of the tree in turn (e.g. "none no-scales ones-scales": does a
+#   faster ablation run at a higher clock, i.e. is the loop held by power?).
 #   profile: profile_moe.py per kernel for PROFILE_CASES (space-separated fmt:act, default fp8:fp8) at PROFILE_TOKENS
 #   (1,128,8192) of PROFILE_MODEL (V4-Flash); PROFILE_TIMELINE=1 adds the graph-replay timeline (PROFILE_FLUSH=1: each
 #   replay after an L2 flush, as the bench's per-replay figure); PROFILE_ABLATIONS (space-separated ablate.py patch
@@ -180,14 +182,22 @@ if has ablate; then
   done
 fi
 if has clocks; then
-  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
-    --format=csv -lms 50 >"$out/clocks.csv" 2>&1 &
-  smi=$!
-  python3 benchmarks/bench_moe.py --formats fp8 --no-peer --models "${CLOCK_MODEL:-V4-Flash}" \
-    --tokens "${CLOCK_TOKENS:-8192}" 2>&1 | tee "$out/clocks.log" | tail -3
-  kill $smi
-  # The busiest samples: the median SM clock and power of the samples above half the peak power.
-  python3 - "$out/clocks.csv" <<'PY' | tee -a "$out/clocks.log"
+  for ablation in ${CLOCK_ABLATIONS:-none}; do
+    tree=$PWD
+    if [ "$ablation" != none ]; then
+      tree=$(patched_tree "$ablation" "build-clocks.log") || exit 1
+      rm -f "$out/build-clocks.log"  # at most 8 files come back
+    fi
+    csv="$out/clocks-${ablation//,/+}.csv"
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+      --format=csv -lms 50 >"$csv" 2>&1 &
+    smi=$!
+    echo "== tree: ${ablation/none/this}" | tee -a "$out/clocks.log"
+    (cd "$tree" && PYTHONPATH="$tree" python3 benchmarks/bench_moe.py --formats fp8 --no-peer \
+      --models "${CLOCK_MODEL:-V4-Flash}" --tokens "${CLOCK_TOKENS:-8192}") 2>&1 | tee -a "$out/clocks.log" | tail -3
+    kill $smi
+    # The busiest samples: the median SM clock and power of the samples above half the peak power.
+    python3 - "$csv" <<'PY' | tee -a "$out/clocks.log"
 import csv, statistics, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if r and r[0][:1].isdigit()]
 val = lambda r, i: float(r[i].split()[0])
@@ -196,6 +206,7 @@ print(f"clocks: {len(rows)} samples, {len(busy)} busy; SM MHz median {statistics
       f"(min {min(val(r, 1) for r in busy):.0f}); power W median {statistics.median(val(r, 3) for r in busy):.0f} "
       f"(max {max(val(r, 3) for r in busy):.0f}); reasons {sorted({r[5].strip() for r in busy})}")
 PY
+  done
 fi
 if has race; then
   # Racecheck A/B of the FP8 kernels' scale-copy synchronisation (benchmarks/ablate.py sync-scales / fill-scales).
