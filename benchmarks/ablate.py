@@ -73,18 +73,16 @@ def kernel_of(name: str) -> str:
 
 
 # (ablation, original text, replacement); each original must occur exactly once.
+SCALE_COPIES = [  # the FP8 kernel's per-stage token-scale, then weight-scale cp.asyncs left out
+    ("                if (c < t.rows) ptx::cp_async_4(dst + c, src + c);",
+     "                if (false && c < t.rows) ptx::cp_async_4(dst + c, src + c);"),
+    ("            if (chunk_valid)\n              ptx::cp_async_4(",
+     "            if (false && chunk_valid)\n              ptx::cp_async_4("),
+]
 PATCHES = {
-    "no-scales": [
-        ("                if (c < t.rows) ptx::cp_async_4(dst + c, src + c);",
-         "                if (false && c < t.rows) ptx::cp_async_4(dst + c, src + c);"),
-        ("            if (chunk_valid)\n              ptx::cp_async_4(",
-         "            if (false && chunk_valid)\n              ptx::cp_async_4("),
-    ],
-    "no-token-scales": [
-        ("                if (c < t.rows) ptx::cp_async_4(dst + c, src + c);",
-         "                if (false && c < t.rows) ptx::cp_async_4(dst + c, src + c);"),
-    ],
-    "ones-scales": [  # no-scales' two patches (added below), and:
+    "no-scales": SCALE_COPIES,
+    "no-token-scales": SCALE_COPIES[:1],
+    "ones-scales": SCALE_COPIES + [
         ("  // Pair walk: the other CTA's barriers are initialised before any multicast or remote arrival reaches them.\n",
          "  for (int i = threadIdx.x; i < kNumStages * (Smem::kScales / 4); i += blockDim.x) stage_scales[i] = 1.0f;\n"
          "  // Pair walk: the other CTA's barriers are initialised before any multicast or remote arrival reaches them.\n"),
@@ -233,9 +231,6 @@ PATCHES = {
          "p.w.row_exp + row, kFp4GemvTileRows, &s.full[stage]);\n      }\n"),
     ],
 }
-
-
-PATCHES["ones-scales"] = PATCHES["no-scales"] + PATCHES["ones-scales"]
 
 
 def main():

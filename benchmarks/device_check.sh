@@ -56,6 +56,12 @@ patched_tree() {
   fi
   echo "$tree"
 }
+# ablation_tree PATCHES LOG: this tree for "none", else patched_tree PATCHES LOG (its build log removed on success:
+# at most 8 files come back from a call).
+ablation_tree() {
+  [ "$1" = none ] && { echo "$PWD"; return 0; }
+  patched_tree "$1" "$2" && rm -f "$out/$2"
+}
 out=${OUT:-device_out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 export CXX=/usr/bin/g++ CC=/usr/bin/gcc TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
@@ -87,10 +93,7 @@ if has stream; then
 fi
 if has profile; then
   for ablation in ${PROFILE_ABLATIONS:-none}; do
-    tree=$PWD
-    if [ "$ablation" != none ]; then
-      tree=$(patched_tree "$ablation" "build-profile-$ablation.log") || exit 1
-    fi
+    tree=$(ablation_tree "$ablation" build-profile.log) || exit 1
     for case in ${PROFILE_CASES:-fp8:fp8}; do
       echo "== tree: ${ablation/none/this}"
       (cd "$tree/benchmarks" && PYTHONPATH="$tree" python3 profile_moe.py --model "${PROFILE_MODEL:-V4-Flash}" \
@@ -183,11 +186,7 @@ if has ablate; then
 fi
 if has clocks; then
   for ablation in ${CLOCK_ABLATIONS:-none}; do
-    tree=$PWD
-    if [ "$ablation" != none ]; then
-      tree=$(patched_tree "$ablation" "build-clocks.log") || exit 1
-      rm -f "$out/build-clocks.log"  # at most 8 files come back
-    fi
+    tree=$(ablation_tree "$ablation" build-clocks.log) || exit 1
     csv="$out/clocks-${ablation//,/+}.csv"
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
       --format=csv -lms 50 >"$csv" 2>&1 &
