@@ -22,7 +22,8 @@ P0): the least time at which the call's bytes and FLOPs fit under the limit, at 
 workloads reach. It is a model (the energy per operation falls with the clock's voltage; the moe call has work the
 floor does not count), so the rows print it beside the measured energy of the call itself.
 
-    python3 benchmarks/probe_power.py [--models V4-Flash,V4-Pro] [--tokens 8192] [--seconds 3] [--json out.json]
+    python3 benchmarks/probe_power.py [--models V4-Flash,V4-Pro] [--tokens 8192] [--formats fp8,mxfp4,nvfp4]
+                                   [--seconds 3] [--json out.json]
 """
 from __future__ import annotations
 
@@ -162,10 +163,42 @@ def measure(nvml: Nvml, name: str, fn, seconds: float, work: dict) -> dict:
     return row
 
 
+def energy_model(rows: list) -> dict:
+    """P0 (spin), the sustained copy and matmul rates, and the energy per byte read / per FLOP above P0."""
+    spin, read, copy, mm = rows[:4]
+    p0 = spin["mean_power_w"]
+    model = dict(p0_w=p0, copy_bytes_per_s=copy["bytes_per_s"], fp8_flops_per_s=mm["flops_per_s"],
+                 e_read=(read["mean_power_w"] - p0) / read["bytes_per_s"],
+                 e_copy=(copy["mean_power_w"] - p0) / copy["bytes_per_s"],
+                 e_flop=(mm["mean_power_w"] - p0) / mm["flops_per_s"])
+    print(f"model: P0 {p0:.0f} W, e_read {model['e_read'] * 1e12:.1f} pJ/B, e_copy {model['e_copy'] * 1e12:.1f} pJ/B "
+          f"(read + write), e_flop {model['e_flop'] * 1e15:.3f} fJ/FLOP (FP8)")
+    return model
+
+
+def power_floor(row: dict, nbytes: int, flops: int, model: dict, limit_w: float) -> dict:
+    """`row` with the floor at the sustained ceilings, the power floor, and the call's ratios to both."""
+    floor_s = max(nbytes / model["copy_bytes_per_s"], flops / model["fp8_flops_per_s"])
+    work_j = nbytes * model["e_read"] + flops * model["e_flop"]
+    power_s = work_j / (limit_w - model["p0_w"])
+    call_s = row["us_per_call"] * 1e-6
+    row.update(floor_us=round(floor_s * 1e6, 1), power_floor_us=round(power_s * 1e6, 1),
+               time_over_floor=round(call_s / floor_s, 3),
+               power_floor_over_floor=round(max(power_s, floor_s) / floor_s, 3),
+               time_over_power_floor=round(call_s / max(power_s, floor_s), 3),
+               dynamic_joules_over_model=round((row["joules_per_call"] - model["p0_w"] * call_s) / work_j, 3))
+    print(f"  floor {floor_s * 1e6:8.1f} us (sustained ceilings)  power floor {power_s * 1e6:8.1f} us "
+          f"(x{row['power_floor_over_floor']:.2f} the floor)  call x{row['time_over_floor']:.2f} the floor, "
+          f"x{row['time_over_power_floor']:.2f} the power floor; its energy above P0 "
+          f"x{row['dynamic_joules_over_model']:.2f} the model's for its bytes and FLOPs", flush=True)
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="V4-Flash,V4-Pro")
     parser.add_argument("--tokens", default="8192")
+    parser.add_argument("--formats", default="fp8", help="fp8, mxfp4, nvfp4 (FP4: w4a8)")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -193,54 +226,40 @@ def main():
                         args.seconds, {"flops": 2 * n ** 3}))
     del a, b
     torch.cuda.empty_cache()
-    p0 = rows[0]["mean_power_w"]
-    read, copy, mm = rows[1], rows[2], rows[3]
-    e_read = (read["mean_power_w"] - p0) / read["bytes_per_s"]
-    e_copy = (copy["mean_power_w"] - p0) / copy["bytes_per_s"]
-    e_flop = (mm["mean_power_w"] - p0) / mm["flops_per_s"]
-    print(f"model: P0 {p0:.0f} W, e_read {e_read * 1e12:.1f} pJ/B, e_copy {e_copy * 1e12:.1f} pJ/B (read + write), "
-          f"e_flop {e_flop * 1e15:.3f} fJ/FLOP (FP8)")
-
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(0)
+    model = energy_model(rows)
     for name in args.models.split(","):
         cfg = bench_moe.MODELS[name]
         e, k, h, i = cfg["num_experts"], cfg["top_k"], cfg["hidden"], cfg["intermediate"]
-        l1, l2 = bench_moe.make_layer(cfg, gen)
-        expert_bytes = 3 * i * h + (l1[1][0].numel() + l2[1][0].numel()) * 4  # as bench_moe counts them
-        for t in (int(v) for v in args.tokens.split(",")):
-            x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
-            idx, w = bench_moe.make_routing(t, e, k, gen)
-            buf = megamoe.get_symm_buffer(None, e, t, k, h, i)
-            y = torch.empty_like(x)
-            step = bu.moe_step(x, idx, w, y, l1, l2, buf, "fp8")
-            for _ in range(3):  # as bench_utils.time_graph: eager calls before the capture
-                step()
-            torch.cuda.synchronize()
-            graph = bu.capture_graph(step)
-            nbytes = torch.unique(idx).numel() * expert_bytes
-            flops = 2 * t * k * 3 * i * h
-            row = measure(nvml, f"moe {name} T={t}", graph.replay, args.seconds, {"bytes": nbytes, "flops": flops})
-            floor_s = max(nbytes / copy["bytes_per_s"], flops / mm["flops_per_s"])
-            power_s = (nbytes * e_read + flops * e_flop) / (limit_w - p0)
-            call_s = row["us_per_call"] * 1e-6
-            dynamic_j = row["joules_per_call"] - p0 * call_s
-            row.update(floor_us=round(floor_s * 1e6, 1), power_floor_us=round(power_s * 1e6, 1),
-                       time_over_floor=round(call_s / floor_s, 3),
-                       power_floor_over_floor=round(max(power_s, floor_s) / floor_s, 3),
-                       time_over_power_floor=round(call_s / max(power_s, floor_s), 3),
-                       dynamic_joules_over_model=round(dynamic_j / (nbytes * e_read + flops * e_flop), 3))
-            print(f"  floor {floor_s * 1e6:8.1f} us (sustained ceilings)  power floor {power_s * 1e6:8.1f} us "
-                  f"(x{row['power_floor_over_floor']:.2f} the floor)  call x{row['time_over_floor']:.2f} the floor, "
-                  f"x{row['time_over_power_floor']:.2f} the power floor; its energy above P0 "
-                  f"x{row['dynamic_joules_over_model']:.2f} the model's for its bytes and FLOPs", flush=True)
-            rows.append(row)
-            del graph, buf
-        del l1, l2
-        torch.cuda.empty_cache()
+        for fmt in args.formats.split(","):
+            gen = torch.Generator(device="cuda")
+            gen.manual_seed(0)
+            if fmt == "fp8":
+                l1, l2 = bench_moe.make_layer(cfg, gen)
+                expert_bytes = 3 * i * h + (l1[1][0].numel() + l2[1][0].numel()) * 4  # as bench_moe counts them
+            else:  # FP4 weights, FP8 tokens (w4a8): bench_moe's layer and byte count
+                l1, l2 = bench_moe.make_fp4_layer(cfg, fmt, gen)
+                expert_bytes = bench_moe.kernel_bytes_per_expert(l1, l2)
+            for t in (int(v) for v in args.tokens.split(",")):
+                x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
+                idx, w = bench_moe.make_routing(t, e, k, gen)
+                buf = megamoe.get_symm_buffer(None, e, t, k, h, i)
+                y = torch.empty_like(x)
+                step = bu.moe_step(x, idx, w, y, l1, l2, buf, fmt)
+                for _ in range(3):  # as bench_utils.time_graph: eager calls before the capture
+                    step()
+                torch.cuda.synchronize()
+                graph = bu.capture_graph(step)
+                nbytes = torch.unique(idx).numel() * expert_bytes
+                flops = 2 * t * k * 3 * i * h
+                row = measure(nvml, f"moe {name} {fmt} T={t}", graph.replay, args.seconds,
+                              {"bytes": nbytes, "flops": flops})
+                rows.append(power_floor(row, nbytes, flops, model, limit_w))
+                del graph, buf
+            del l1, l2
+            torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), power_limit_w=limit_w, rows=rows), f, indent=1)
+            json.dump(dict(gpu=torch.cuda.get_device_name(), power_limit_w=limit_w, model=model, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

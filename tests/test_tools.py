@@ -218,3 +218,21 @@ def test_every_kernel_switch_is_documented():
     documented = {name for row in rows for name in row if name}
     assert read - documented == set(), "switches read by csrc/ without a README row"
     assert documented - read == set(), "README rows for switches csrc/ no longer reads"
+
+
+def test_probe_power_model(monkeypatch):
+    """probe_power.py's energy model on made-up rows: P0 100 W; reads at 3 TB/s draw 400 W (100 pJ/B above P0);
+    the matmul at 1 PFLOP/s 700 W (0.6 pJ/FLOP). A call of 3 GB and 1 TFLOP has a 1 ms floor (both ceilings), but
+    its 0.3 + 0.6 J over the 600 W a 700 W limit leaves above P0 take 1.5 ms."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    probe = load_tool("probe_power")
+    rows = [dict(mean_power_w=100.0), dict(mean_power_w=400.0, bytes_per_s=3e12),
+            dict(mean_power_w=350.0, bytes_per_s=3e12), dict(mean_power_w=700.0, flops_per_s=1e15)]
+    model = probe.energy_model(rows)
+    assert model["e_read"] == pytest.approx(1e-10) and model["e_flop"] == pytest.approx(6e-13)
+    # The call takes 1.8 ms and 1.08 J above P0 (0.18 J of P0 on top): 1.2x the model's work.
+    row = probe.power_floor(dict(us_per_call=1800.0, joules_per_call=1.08 + 0.18), 3 * 10**9, 10**12, model, 700.0)
+    assert row["floor_us"] == pytest.approx(1000.0) and row["power_floor_us"] == pytest.approx(1500.0)
+    assert row["power_floor_over_floor"] == pytest.approx(1.5)
+    assert row["time_over_power_floor"] == pytest.approx(1.2)
+    assert row["dynamic_joules_over_model"] == pytest.approx(1.2)
