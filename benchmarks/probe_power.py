@@ -23,13 +23,15 @@ workloads reach. It is a model (the energy per operation falls with the clock's 
 floor does not count), so the rows print it beside the measured energy of the call itself.
 
     python3 benchmarks/probe_power.py [--models V4-Flash,V4-Pro] [--tokens 8192] [--formats fp8,mxfp4,nvfp4]
-                                   [--seconds 3] [--json out.json]
+                                   [--settings "-;MEGAMOE_FP8_BLOCK_M=128"] [--seconds 3] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
+import os
 import statistics
 import threading
 import time
@@ -163,6 +165,22 @@ def measure(nvml: Nvml, name: str, fn, seconds: float, work: dict) -> dict:
     return row
 
 
+@contextlib.contextmanager
+def environment(setting: str):
+    """The environment with `setting` ("-": nothing, or a comma list of VAR=VALUE) applied, restored after."""
+    pairs = [] if setting == "-" else [item.split("=", 1) for item in setting.split(",")]
+    saved = {var: os.environ.get(var) for var, _ in pairs}
+    os.environ.update(dict(pairs))
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
 def energy_model(rows: list) -> dict:
     """P0 (spin), the sustained copy and matmul rates, and the energy per byte read / per FLOP above P0."""
     spin, read, copy, mm = rows[:4]
@@ -199,6 +217,8 @@ def main():
     parser.add_argument("--models", default="V4-Flash,V4-Pro")
     parser.add_argument("--tokens", default="8192")
     parser.add_argument("--formats", default="fp8", help="fp8, mxfp4, nvfp4 (FP4: w4a8)")
+    parser.add_argument("--settings", default="-", help="';'-separated kernel settings per moe row, each '-' (as set) "
+                        "or a comma list of VAR=VALUE (e.g. \"-;MEGAMOE_FP8_BLOCK_M=128\")")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -245,16 +265,19 @@ def main():
                 buf = megamoe.get_symm_buffer(None, e, t, k, h, i)
                 y = torch.empty_like(x)
                 step = bu.moe_step(x, idx, w, y, l1, l2, buf, fmt)
-                for _ in range(3):  # as bench_utils.time_graph: eager calls before the capture
-                    step()
-                torch.cuda.synchronize()
-                graph = bu.capture_graph(step)
                 nbytes = torch.unique(idx).numel() * expert_bytes
                 flops = 2 * t * k * 3 * i * h
-                row = measure(nvml, f"moe {name} {fmt} T={t}", graph.replay, args.seconds,
-                              {"bytes": nbytes, "flops": flops})
-                rows.append(power_floor(row, nbytes, flops, model, limit_w))
-                del graph, buf
+                for setting in args.settings.split(";"):
+                    with environment(setting):  # the kernels read their switches per call: at the capture
+                        for _ in range(3):  # as bench_utils.time_graph: eager calls before the capture
+                            step()
+                        torch.cuda.synchronize()
+                        graph = bu.capture_graph(step)
+                    label = f"moe {name} {fmt} T={t}" + ("" if setting == "-" else f" {setting}")
+                    row = measure(nvml, label, graph.replay, args.seconds, {"bytes": nbytes, "flops": flops})
+                    rows.append(power_floor(dict(row, setting=setting), nbytes, flops, model, limit_w))
+                    del graph
+                del buf
             del l1, l2
             torch.cuda.empty_cache()
     if args.json:

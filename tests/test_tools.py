@@ -4,6 +4,7 @@ parses its trace lines with and without the clock fields, and probe_fp4.py's gen
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import shutil
 
@@ -236,3 +237,16 @@ def test_probe_power_model(monkeypatch):
     assert row["power_floor_over_floor"] == pytest.approx(1.5)
     assert row["time_over_power_floor"] == pytest.approx(1.2)
     assert row["dynamic_joules_over_model"] == pytest.approx(1.2)
+
+
+def test_probe_power_environment(monkeypatch):
+    """probe_power.py's per-row settings: applied inside, restored after (set, changed and unset variables)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    probe = load_tool("probe_power")
+    monkeypatch.setenv("MEGAMOE_PROBE_A", "1")
+    monkeypatch.delenv("MEGAMOE_PROBE_B", raising=False)
+    with probe.environment("MEGAMOE_PROBE_A=2,MEGAMOE_PROBE_B=x=y"):
+        assert os.environ["MEGAMOE_PROBE_A"] == "2" and os.environ["MEGAMOE_PROBE_B"] == "x=y"
+    assert os.environ["MEGAMOE_PROBE_A"] == "1" and "MEGAMOE_PROBE_B" not in os.environ
+    with probe.environment("-"):
+        assert os.environ["MEGAMOE_PROBE_A"] == "1"
