@@ -100,7 +100,7 @@ if has power; then
     tree=$(ablation_tree "$ablation" build-power.log) || exit 1
     echo "== tree: ${ablation/none/this}" | tee -a "$out/power.log"
     (cd "$tree/benchmarks" && PYTHONPATH="$tree" python3 probe_power.py --models "${POWER_MODELS:-V4-Flash,V4-Pro}" \
-      --tokens "${POWER_TOKENS:-8192}" --formats "${POWER_FORMATS:-fp8}" --settings "${POWER_SETTINGS:--}" --json "$out/power-${ablation//,/.}.json") 2>&1 | tee -a "$out/power.log"
+      --tokens "${POWER_TOKENS:-8192}" --formats "${POWER_FORMATS:-fp8}" --settings="${POWER_SETTINGS:--}" --json "$out/power-${ablation//,/.}.json") 2>&1 | tee -a "$out/power.log"
   done
 fi
 if has profile; then

@@ -23,7 +23,7 @@ workloads reach. It is a model (the energy per operation falls with the clock's 
 floor does not count), so the rows print it beside the measured energy of the call itself.
 
     python3 benchmarks/probe_power.py [--models V4-Flash,V4-Pro] [--tokens 8192] [--formats fp8,mxfp4,nvfp4]
-                                   [--settings "-;MEGAMOE_FP8_BLOCK_M=128"] [--seconds 3] [--json out.json]
+                                   [--settings="-;MEGAMOE_FP8_BLOCK_M=128"] [--seconds 3] [--json out.json]
 """
 from __future__ import annotations
 
