@@ -18,7 +18,7 @@
 #   power: benchmarks/probe_power.py (energy and clock of copy, read, FP8 matmul and the FP8 call at POWER_TOKENS (8192)
 #   of POWER_MODELS (V4-Flash,V4-Pro) and POWER_FORMATS (fp8; mxfp4, nvfp4: w4a8); the power floor) per
 #   POWER_ABLATIONS tree ("none" for this tree), each moe row once per POWER_SETTINGS entry (";"-separated, "-" or
-#   VAR=VALUE,...): power.log, power-<tree>.json.
+#   VAR=VALUE,...), POWER_SECONDS (3) a workload: power.log, power-<tree>.json.
 #   profile: profile_moe.py per kernel for PROFILE_CASES (space-separated fmt:act, default fp8:fp8) at PROFILE_TOKENS
 #   (1,128,8192) of PROFILE_MODEL (V4-Flash); PROFILE_TIMELINE=1 adds the graph-replay timeline (PROFILE_FLUSH=1: each
 #   replay after an L2 flush, as the bench's per-replay figure); PROFILE_ABLATIONS (space-separated ablate.py patch
@@ -100,7 +100,7 @@ if has power; then
     tree=$(ablation_tree "$ablation" build-power.log) || exit 1
     echo "== tree: ${ablation/none/this}" | tee -a "$out/power.log"
     (cd "$tree/benchmarks" && PYTHONPATH="$tree" python3 probe_power.py --models "${POWER_MODELS:-V4-Flash,V4-Pro}" \
-      --tokens "${POWER_TOKENS:-8192}" --formats "${POWER_FORMATS:-fp8}" --settings="${POWER_SETTINGS:--}" --json "$out/power-${ablation//,/.}.json") 2>&1 | tee -a "$out/power.log"
+      --tokens "${POWER_TOKENS:-8192}" --formats "${POWER_FORMATS:-fp8}" --settings="${POWER_SETTINGS:--}" --seconds "${POWER_SECONDS:-3}" --json "$out/power-${ablation//,/.}.json") 2>&1 | tee -a "$out/power.log"
   done
 fi
 if has profile; then
