@@ -284,9 +284,13 @@ def main():
     ap.add_argument("--plot")
     ap.add_argument("--no-peer", action="store_true", help="skip the peer pipeline (A/B runs of megamoe versions)")
     args = ap.parse_args()
-    ceilings = {"copy_bytes_per_s": bu.measure_copy_bandwidth(), "fp8_flops_per_s": bu.measure_fp8_matmul_flops()}
+    # The floor takes the short matmul figure (as since the first bench); the sustained one, at the board's power
+    # limit, is reported beside it (bench_utils.measure_fp8_matmul_flops).
+    ceilings = {"copy_bytes_per_s": bu.measure_copy_bandwidth(), "fp8_flops_per_s": bu.measure_fp8_matmul_flops(),
+                "fp8_flops_per_s_sustained": bu.measure_fp8_matmul_flops(sustained_ms=1000.0)}
     print(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
-          f"FP8 matmul {ceilings['fp8_flops_per_s'] / 1e12:.0f} TFLOP/s")
+          f"FP8 matmul {ceilings['fp8_flops_per_s'] / 1e12:.0f} TFLOP/s "
+          f"({ceilings['fp8_flops_per_s_sustained'] / 1e12:.0f} sustained, not in the floor)")
     models, tokens = args.models.split(","), [int(t) for t in args.tokens.split(",")]
     formats_ = args.formats.split(",")
     rows = run(models, tokens, ceilings, with_peer=not args.no_peer) if "fp8" in formats_ else []
