@@ -26,6 +26,8 @@
 #   ncu: Nsight Compute reports of the grouped GEMMs (NCU_CASES, see below; NCU_KERNELS: another kernel-name regex).
 #   stream: the HBM -> shared-memory streaming ceiling per SM count and bytes in flight (probe_stream.py; STREAM_PATTERNS
 #   picks its --patterns, e.g. gemv: the FP4 GEMV's chunk ring by box shape and small copies).
+#   bytes: DRAM and L2 bytes per kernel of one call (ncu metrics, benchmarks/ncu_bytes.py) per BYTES_CASES entry
+#   (model:format:tokens, default V4-Flash:fp8:8192 V4-Pro:fp8:8192 V4-Flash:mxfp4:8192): bytes.log, bytes-*.csv.
 #   trace: tile traces (tile_trace.py) from a MEGAMOE_TILE_TRACE build, TRACE_CASES (fmt:act:T, default MXFP4 w4a8 at
 #   T = 1, 16, 512), TRACE_MODEL (V4-Flash): trace-*.txt / .json.
 #   probe: the FP4 consumer-loop probe (probe_fp4.py: decode + register-A wgmmas in shared memory) and the FP8 loop's
@@ -134,6 +136,18 @@ if has ncu; then
     # At most 8 files come back from a device call: keep the text, drop the binary report unless NCU_KEEP_REP=1.
     gzip -f "$rep-sass.csv"
     [ "${NCU_KEEP_REP:-0}" = 1 ] || rm -f "$rep.ncu-rep" "$rep.log"
+  done
+fi
+if has bytes; then
+  # DRAM and L2 bytes per kernel of one call (ncu, cold L2 before each kernel) per BYTES_CASES entry
+  # (model:format:tokens, default V4-Flash and V4-Pro FP8 and V4-Flash MXFP4 at 8192; FP4 with FP8 tokens).
+  metrics=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import ncu_bytes; print(','.join(ncu_bytes.METRICS))")
+  for spec in ${BYTES_CASES:-V4-Flash:fp8:8192 V4-Pro:fp8:8192 V4-Flash:mxfp4:8192}; do
+    IFS=: read -r model fmt t <<<"$spec"
+    csv="$out/bytes-$model-$fmt-$t.csv"
+    (cd benchmarks && ncu --profile-from-start off --clock-control none --metrics "$metrics" --csv python3 profile_moe.py \
+      --ncu --model "$model" --format "$fmt" --tokens "$t") >"$csv" 2>"$out/bytes.err" || tail -20 "$out/bytes.err"
+    python3 benchmarks/ncu_bytes.py "$csv" | tee -a "$out/bytes.log"
   done
 fi
 if has trace; then

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import pathlib
 import shutil
+import sys
 
 import pytest
 
@@ -250,3 +251,27 @@ def test_probe_power_environment(monkeypatch):
     assert os.environ["MEGAMOE_PROBE_A"] == "1" and "MEGAMOE_PROBE_B" not in os.environ
     with probe.environment("-"):
         assert os.environ["MEGAMOE_PROBE_A"] == "1"
+
+
+def test_ncu_bytes_parses_ncu_csv(tmp_path, capsys, monkeypatch):
+    """ncu_bytes.py reads ncu's --csv rows (one per kernel and metric, values with thousands separators) into
+    per-kernel totals in launch order."""
+    ncu_bytes = load_tool("ncu_bytes")
+    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+              '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+    def row(i, name, metric, value):
+        return f'"{i}","1","python3","h","{name}","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0","m","{metric}","byte","{value}"'
+    lines = ["==PROF== Connected", header,
+             row(0, "void unnamed>::gather_kernel<0>(int *)", "dram__bytes_read.sum", "143,000,000"),
+             row(0, "void unnamed>::gather_kernel<0>(int *)", "lts__t_sectors_op_read.sum", "1,000"),
+             row(1, "void sm90_fp8_grouped_gemm_kernel<64, 4, 2, 0>(int)", "dram__bytes_read.sum", "6,780,000,000")]
+    path = tmp_path / "run.csv"
+    path.write_text("\n".join(lines) + "\n")
+    kernels = ncu_bytes.per_kernel(str(path))
+    assert [name for _, name in kernels] == ["void unnamed>::gather_kernel<0>(int *)",
+                                             "void sm90_fp8_grouped_gemm_kernel<64, 4, 2, 0>(int)"]
+    assert kernels[("0", "void unnamed>::gather_kernel<0>(int *)")]["lts__t_sectors_op_read.sum"] == 1000.0
+    monkeypatch.setattr(sys, "argv", ["ncu_bytes.py", str(path)])
+    ncu_bytes.main()
+    out = capsys.readouterr().out
+    assert "gather_kernel<0>" in out and "6.780" in out and "6.923" in out  # the total's DRAM reads
