@@ -145,9 +145,12 @@ if has bytes; then
   for spec in ${BYTES_CASES:-V4-Flash:fp8:8192 V4-Pro:fp8:8192 V4-Flash:mxfp4:8192}; do
     IFS=: read -r model fmt t <<<"$spec"
     csv="$out/bytes-$model-$fmt-$t.csv"
-    (cd benchmarks && ncu --profile-from-start off --clock-control none --metrics "$metrics" --csv python3 profile_moe.py \
-      --ncu --model "$model" --format "$fmt" --tokens "$t") >"$csv" 2>"$out/bytes.err" || tail -20 "$out/bytes.err"
-    python3 benchmarks/ncu_bytes.py "$csv" | tee -a "$out/bytes.log"
+    if (cd benchmarks && ncu --profile-from-start off --clock-control none --metrics "$metrics" --print-units base --csv \
+        python3 profile_moe.py --ncu --model "$model" --format "$fmt" --tokens "$t") >"$csv" 2>"$out/bytes.err"; then
+      python3 benchmarks/ncu_bytes.py "$csv" | tee -a "$out/bytes.log"
+    else
+      tail -20 "$out/bytes.err"
+    fi
   done
 fi
 if has trace; then
@@ -213,7 +216,7 @@ fi
 if has clocks; then
   for ablation in ${CLOCK_ABLATIONS:-none}; do
     tree=$(ablation_tree "$ablation" build-clocks.log) || exit 1
-    csv="$out/clocks-${ablation//,/+}.csv"
+    csv="$out/clocks-${ablation//,/.}.csv"  # no "+": see the ablate mode
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
       --format=csv -lms 50 >"$csv" 2>&1 &
     smi=$!

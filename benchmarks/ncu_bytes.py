@@ -1,6 +1,6 @@
 """Per-kernel DRAM and L2 bytes of one call, from an ncu --csv run of profile_moe.py --ncu (device_check.sh bytes).
 
-    ncu --profile-from-start off --metrics <METRICS> --csv python3 profile_moe.py --ncu ... > run.csv
+    ncu --profile-from-start off --metrics <METRICS> --print-units base --csv python3 profile_moe.py --ncu ... > run.csv
     python3 benchmarks/ncu_bytes.py run.csv
 
 ncu replays each kernel with the caches flushed before it (its default --cache-control all), so a kernel's DRAM bytes
@@ -15,16 +15,25 @@ import sys
 # What device_check.sh's bytes mode asks ncu for.
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum", "lts__t_sectors_op_write.sum",
            "lts__t_sector_hit_rate.pct", "gpu__time_duration.sum")
+BASE_UNITS = {"byte", "sector", "nsecond", "%"}
 
 
 def per_kernel(path: str) -> "collections.OrderedDict[tuple[str, str], dict[str, float]]":
     """{(launch id, kernel name): {metric: value}} in launch order."""
     rows = [r for r in csv.reader(open(path)) if len(r) > 10]
     header, rows = rows[0], rows[1:]
-    col = {name: header.index(name) for name in ("ID", "Kernel Name", "Metric Name", "Metric Value")}
+    col = {name: header.index(name) for name in ("ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value")}
     kernels: collections.OrderedDict = collections.OrderedDict()
     for r in rows:
-        value = float(r[col["Metric Value"]].replace(",", ""))
+        unit, text = r[col["Metric Unit"]], r[col["Metric Value"]].replace(",", "")
+        # Base units only (device_check passes --print-units base): a scaled unit would be read wrong here.
+        if unit not in BASE_UNITS:
+            raise ValueError(f"{path}: {r[col['Metric Name']]} in {unit!r}, expected one of {sorted(BASE_UNITS)} "
+                             "(run ncu with --print-units base)")
+        try:
+            value = float(text)
+        except ValueError:  # "n/a" where a metric was not collected
+            continue
         kernels.setdefault((r[col["ID"]], r[col["Kernel Name"]]), {})[r[col["Metric Name"]]] = value
     return kernels
 

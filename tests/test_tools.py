@@ -222,35 +222,54 @@ def test_every_kernel_switch_is_documented():
     assert documented - read == set(), "README rows for switches csrc/ no longer reads"
 
 
-def test_probe_power_model(monkeypatch):
+@pytest.fixture
+def probe_power(monkeypatch):
+    """benchmarks/probe_power.py, loaded with benchmarks/ on sys.path; the bench_utils it imports leaves with it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    had = "bench_utils" in sys.modules
+    yield load_tool("probe_power")
+    if not had:
+        sys.modules.pop("bench_utils", None)
+
+
+def test_probe_power_model(probe_power):
     """probe_power.py's energy model on made-up rows: P0 100 W; reads at 3 TB/s draw 400 W (100 pJ/B above P0);
     the matmul at 1 PFLOP/s 700 W (0.6 pJ/FLOP). A call of 3 GB and 1 TFLOP has a 1 ms floor (both ceilings), but
     its 0.3 + 0.6 J over the 600 W a 700 W limit leaves above P0 take 1.5 ms."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    probe = load_tool("probe_power")
     rows = [dict(mean_power_w=100.0), dict(mean_power_w=400.0, bytes_per_s=3e12),
             dict(mean_power_w=350.0, bytes_per_s=3e12), dict(mean_power_w=700.0, flops_per_s=1e15)]
-    model = probe.energy_model(rows)
+    model = probe_power.energy_model(rows)
     assert model["e_read"] == pytest.approx(1e-10) and model["e_flop"] == pytest.approx(6e-13)
     # The call takes 1.8 ms and 1.08 J above P0 (0.18 J of P0 on top): 1.2x the model's work.
-    row = probe.power_floor(dict(us_per_call=1800.0, joules_per_call=1.08 + 0.18), 3 * 10**9, 10**12, model, 700.0)
+    row = probe_power.power_floor(dict(us_per_call=1800.0, joules_per_call=1.08 + 0.18), 3 * 10**9, 10**12, model,
+                                  700.0)
     assert row["floor_us"] == pytest.approx(1000.0) and row["power_floor_us"] == pytest.approx(1500.0)
     assert row["power_floor_over_floor"] == pytest.approx(1.5)
-    assert row["time_over_power_floor"] == pytest.approx(1.2)
+    assert row["time_over_bound"] == pytest.approx(1.2) and row["time_over_power_floor"] == pytest.approx(1.2)
     assert row["dynamic_joules_over_model"] == pytest.approx(1.2)
+    # A decode-like call: 3 GB, 1 GFLOP: the bytes floor (1 ms) is above the power floor (0.3006 J / 600 W = 0.501
+    # ms), so the bound is the floor; the ratio over the power floor alone is kept apart.
+    row = probe_power.power_floor(dict(us_per_call=1100.0, joules_per_call=0.4), 3 * 10**9, 10**9, model, 700.0)
+    assert row["power_floor_over_floor"] == pytest.approx(1.0)
+    assert row["time_over_bound"] == pytest.approx(1.1)
+    assert row["time_over_power_floor"] == pytest.approx(1.1e-3 / (0.3006 / 600), rel=1e-3)
 
 
-def test_probe_power_environment(monkeypatch):
-    """probe_power.py's per-row settings: applied inside, restored after (set, changed and unset variables)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    probe = load_tool("probe_power")
+def test_probe_power_environment(probe_power, monkeypatch):
+    """probe_power.py's per-row settings: applied inside, restored after (set, changed and unset variables); a
+    malformed entry is refused before anything is set."""
     monkeypatch.setenv("MEGAMOE_PROBE_A", "1")
-    monkeypatch.delenv("MEGAMOE_PROBE_B", raising=False)
-    with probe.environment("MEGAMOE_PROBE_A=2,MEGAMOE_PROBE_B=x=y"):
+    monkeypatch.setenv("MEGAMOE_PROBE_B", "")  # recorded by monkeypatch, so a leak is undone after the test
+    monkeypatch.delenv("MEGAMOE_PROBE_B")
+    with probe_power.environment(" MEGAMOE_PROBE_A=2, MEGAMOE_PROBE_B=x=y "):
         assert os.environ["MEGAMOE_PROBE_A"] == "2" and os.environ["MEGAMOE_PROBE_B"] == "x=y"
     assert os.environ["MEGAMOE_PROBE_A"] == "1" and "MEGAMOE_PROBE_B" not in os.environ
-    with probe.environment("-"):
-        assert os.environ["MEGAMOE_PROBE_A"] == "1"
+    assert probe_power.parse_setting(" - ") == []
+    for bad in ("MEGAMOE_PROBE_A", "", "A=1,", "MY VAR=1"):
+        with pytest.raises(ValueError, match="--settings"):
+            with probe_power.environment(bad):
+                pass
+    assert os.environ["MEGAMOE_PROBE_A"] == "1"
 
 
 def test_ncu_bytes_parses_ncu_csv(tmp_path, capsys, monkeypatch):
@@ -275,3 +294,6 @@ def test_ncu_bytes_parses_ncu_csv(tmp_path, capsys, monkeypatch):
     ncu_bytes.main()
     out = capsys.readouterr().out
     assert "gather_kernel<0>" in out and "6.780" in out and "6.923" in out  # the total's DRAM reads
+    path.write_text("\n".join(lines[:2] + [lines[2].replace('"byte","143,000,000"', '"Mbyte","143"')]) + "\n")
+    with pytest.raises(ValueError, match="--print-units base"):
+        ncu_bytes.per_kernel(str(path))
