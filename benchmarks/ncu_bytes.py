@@ -15,7 +15,7 @@ import sys
 # What device_check.sh's bytes mode asks ncu for.
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum", "lts__t_sectors_op_write.sum",
            "lts__t_sector_hit_rate.pct", "gpu__time_duration.sum")
-BASE_UNITS = {"byte", "sector", "nsecond", "%"}
+BASE_UNITS = {"byte", "sector", "ns", "nsecond", "%"}  # ncu 2025 names nanoseconds "ns" in base units
 
 
 def per_kernel(path: str) -> "collections.OrderedDict[tuple[str, str], dict[str, float]]":
