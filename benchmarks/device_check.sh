@@ -101,8 +101,10 @@ if has power; then
   for ablation in ${POWER_ABLATIONS:-none}; do
     tree=$(ablation_tree "$ablation" build-power.log) || exit 1
     echo "== tree: ${ablation/none/this}" | tee -a "$out/power.log"
+    # --settings=...: its value starts with "-", which argparse would take for an option.
     (cd "$tree/benchmarks" && PYTHONPATH="$tree" python3 probe_power.py --models "${POWER_MODELS:-V4-Flash,V4-Pro}" \
-      --tokens "${POWER_TOKENS:-8192}" --formats "${POWER_FORMATS:-fp8}" --settings="${POWER_SETTINGS:--}" --seconds "${POWER_SECONDS:-3}" --json "$out/power-${ablation//,/.}.json") 2>&1 | tee -a "$out/power.log"
+      --tokens "${POWER_TOKENS:-8192}" --formats "${POWER_FORMATS:-fp8}" --settings="${POWER_SETTINGS:--}" \
+      --seconds "${POWER_SECONDS:-3}" --json "$out/power-${ablation//,/.}.json") 2>&1 | tee -a "$out/power.log"
   done
 fi
 if has profile; then
@@ -141,12 +143,13 @@ fi
 if has bytes; then
   # DRAM and L2 bytes per kernel of one call (ncu, cold L2 before each kernel) per BYTES_CASES entry
   # (model:format:tokens, default V4-Flash and V4-Pro FP8 and V4-Flash MXFP4 at 8192; FP4 with FP8 tokens).
-  metrics=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import ncu_bytes; print(','.join(ncu_bytes.METRICS))")
+  metrics=$(cd benchmarks && python3 -c "import ncu_bytes; print(','.join(ncu_bytes.METRICS))")
   for spec in ${BYTES_CASES:-V4-Flash:fp8:8192 V4-Pro:fp8:8192 V4-Flash:mxfp4:8192}; do
     IFS=: read -r model fmt t <<<"$spec"
     csv="$out/bytes-$model-$fmt-$t.csv"
-    if (cd benchmarks && ncu --profile-from-start off --clock-control none --metrics "$metrics" --print-units base --csv \
-        python3 profile_moe.py --ncu --model "$model" --format "$fmt" --tokens "$t") >"$csv" 2>"$out/bytes.err"; then
+    if (cd benchmarks && ncu --profile-from-start off --clock-control none --metrics "$metrics" --print-units base \
+        --csv python3 profile_moe.py --ncu --model "$model" --format "$fmt" --tokens "$t") >"$csv" 2>"$out/bytes.err"
+    then
       python3 benchmarks/ncu_bytes.py "$csv" | tee -a "$out/bytes.log"
     else
       tail -20 "$out/bytes.err"
