@@ -146,7 +146,7 @@ def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
 def measure_fp8_matmul_flops(n: int = 8192, sustained_ms: float = 0.0) -> float:
     """Dense FP8 matmul rate (FLOP/s) of torch._scaled_mm on random data, n x n x n: 10 calls after 3 (the floor's
     figure), or with `sustained_ms`, after that long back to back. NOTES: the H100 holds this matmul at its 700 W
-    limit once it runs for more than a few tens of ms (SM clock ~1.23 GHz, 1,218-1,233 TFLOP/s over 2-3 s against
+    limit once it runs for more than a few tens of ms (SM clock ~1.23-1.31 GHz, 1,218-1,241 TFLOP/s over 1-3 s against
     1,150-1,450 for the short figure, which depends on what ran before it; benchmarks/probe_power.py, docs/perf-notes.md,
     fifty-fifth session); the prefill calls run at that limit too."""
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
