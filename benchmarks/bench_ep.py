@@ -24,7 +24,6 @@ the fused op moves between GPUs (remote token rows in, remote bf16 expert output
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -108,21 +107,6 @@ class NcclPipeline:
         y = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
         y.index_add_(0, slot_token[order], back.float())
         return y.to(torch.bfloat16)
-
-
-@contextlib.contextmanager
-def env_setting(assignment: str):
-    """VAR=VALUE set for the block (the kernel switches are read per call), then restored."""
-    var, value = assignment.split("=", 1)
-    saved = os.environ.get(var)
-    os.environ[var] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(var)
-        else:
-            os.environ[var] = saved
 
 
 # Warm-up replays of a graph of 8 calls, the same on every rank (each call joins the others' flags, so a time-based
@@ -291,7 +275,7 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
         us = timed(fused, args.iters)
         alt_us = alt_diff = y_alt = None
         if args.alt_env:  # the same op with a kernel switch set (read per call), timed in this run: an A/B
-            with env_setting(args.alt_env):
+            with bu.environment(args.alt_env, "--alt-env"):
                 alt_us = timed(fused, args.iters)
                 y_alt = y.clone()
         graph_us = y_graph = alt_graph_us = y_alt_graph = None
@@ -299,7 +283,7 @@ def bench_model(cfg, model, weight_format, act_format, tokens, args, copy_bw, fp
             graph_us = graph_time(fused)
             y_graph = y.clone()
             if args.alt_env:  # captured with the switch set: the host reads it while recording the launches
-                with env_setting(args.alt_env):
+                with bu.environment(args.alt_env, "--alt-env"):
                     alt_graph_us = graph_time(fused)
                     y_alt_graph = y.clone()
         if args.profile:

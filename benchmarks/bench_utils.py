@@ -2,6 +2,7 @@
 measured in the same run (copy bandwidth, dense FP8 matmul rate)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -180,3 +181,35 @@ def moe_step(x, idx, w, y, l1, l2, buf, weight_format: str) -> Callable[[], None
             megamoe.fp8_fp4_mega_moe(y, l1, l2, buf, weight_format=weight_format)
 
     return step
+
+
+def parse_setting(setting: str, what: str) -> list:
+    """[(VAR, VALUE), ...] of a setting: "-" (nothing) or a comma list of VAR=VALUE (spaces around items ignored);
+    `what` names the argument it came from in the error."""
+    setting = setting.strip()
+    if setting == "-":
+        return []
+    pairs = []
+    for item in setting.split(","):
+        var, sep, value = item.strip().partition("=")
+        if not sep or not var.strip() or any(c.isspace() for c in var.strip()):
+            raise ValueError(f"{what}: expected '-' or VAR=VALUE[,VAR=VALUE...], got {setting!r}")
+        pairs.append((var.strip(), value))
+    return pairs
+
+
+@contextlib.contextmanager
+def environment(setting: str, what: str):
+    """The environment with `setting` (parse_setting) applied, restored after: the kernel switches are read per call
+    (and at a graph's capture), so a benchmark times settings side by side in one process."""
+    pairs = parse_setting(setting, what)
+    saved = {var: os.environ.get(var) for var, _ in pairs}
+    os.environ.update(dict(pairs))
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value

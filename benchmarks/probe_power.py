@@ -28,10 +28,9 @@ floor does not count), so the rows print it beside the measured energy of the ca
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
+import functools
 import json
-import os
 import statistics
 import threading
 import time
@@ -39,6 +38,10 @@ import time
 import torch
 
 import bench_utils as bu
+
+# The moe rows' kernel settings (bench_utils), errors naming --settings (';'-separated entries).
+parse_setting = functools.partial(bu.parse_setting, what="--settings")
+environment = functools.partial(bu.environment, what="--settings")
 
 NVML_CLOCK_SM = 1
 SW_POWER_CAP = 0x4  # nvmlClocksEventReasonSwPowerCap
@@ -165,37 +168,6 @@ def measure(nvml: Nvml, name: str, fn, seconds: float, work: dict) -> dict:
     return row
 
 
-def parse_setting(setting: str) -> list:
-    """[(VAR, VALUE), ...] of a setting: "-" (nothing) or a comma list of VAR=VALUE (spaces around items ignored)."""
-    setting = setting.strip()
-    if setting == "-":
-        return []
-    pairs = []
-    for item in setting.split(","):
-        var, sep, value = item.strip().partition("=")
-        if not sep or not var.strip() or any(c.isspace() for c in var.strip()):
-            raise ValueError(f"--settings: expected '-' or VAR=VALUE[,VAR=VALUE...] per ';'-separated entry, "
-                             f"got {setting!r}")
-        pairs.append((var.strip(), value))
-    return pairs
-
-
-@contextlib.contextmanager
-def environment(setting: str):
-    """The environment with `setting` (parse_setting) applied, restored after."""
-    pairs = parse_setting(setting)
-    saved = {var: os.environ.get(var) for var, _ in pairs}
-    os.environ.update(dict(pairs))
-    try:
-        yield
-    finally:
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
-
-
 def energy_model(rows: list) -> dict:
     """P0 (spin), the sustained copy and matmul rates, and the energy per byte read / per FLOP above P0."""
     spin, read, copy, mm = rows[:4]
@@ -281,12 +253,10 @@ def main():
         for fmt in args.formats.split(","):
             gen = torch.Generator(device="cuda")
             gen.manual_seed(0)
-            if fmt == "fp8":
-                l1, l2 = bench_moe.make_layer(cfg, gen)
-                expert_bytes = 3 * i * h + (l1[1][0].numel() + l2[1][0].numel()) * 4  # as bench_moe counts them
-            else:  # FP4 weights, FP8 tokens (w4a8): bench_moe's layer and byte count
-                l1, l2 = bench_moe.make_fp4_layer(cfg, fmt, gen)
-                expert_bytes = bench_moe.kernel_bytes_per_expert(l1, l2)
+            # FP4 weights with FP8 tokens (w4a8). Bytes: the kernel layout's (bench_moe's FP4 count; for FP8 it adds
+            # the 8 bytes of the two per-expert float32 factors to bench_moe's FP8 count).
+            l1, l2 = bench_moe.make_layer(cfg, gen) if fmt == "fp8" else bench_moe.make_fp4_layer(cfg, fmt, gen)
+            expert_bytes = bench_moe.kernel_bytes_per_expert(l1, l2)
             for t in (int(v) for v in args.tokens.split(",")):
                 x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
                 idx, w = bench_moe.make_routing(t, e, k, gen)
