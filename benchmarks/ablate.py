@@ -35,6 +35,12 @@ FP4 kernel (docs/perf-notes.md: its decode tiles run at 1.2-1.3x the weight-byte
                      do the weight scales cost the decode stream (2026-11-27: 4-9 % of the time at T = 1-128)?
   fp4-no-promote     FP8-wgmma path: each 128-K group's partial is added to the accumulator unscaled (no factor
                      loads, no products)
+  fp4-hilo           FP8-wgmma path: what NVFP4 weights on FP8 wgmmas with exact products would cost (timing only):
+                     each weight as two E4M3 bytes (s = s_hi + s_lo), two tables a 16-K block, twice the wgmmas
+  fp4-no-scale-mul   BF16 path: no block-scale HMUL2 on the decoded weights (the factors still computed): what
+                     scaling per 16-K block partial after the MMA could save at most
+  fp4-pow2-scale     NVFP4 weights: the block scale's mantissa dropped from the bf16 factor (same instructions, A of
+                     at most two significant bits as with MXFP4)
   fp4-no-mma         no wgmma: each decoded A fragment is folded into the accumulator by XORs and one add (keeps the
                      decode live), so the tensor pipe is idle (is the register-A wgmma the prefill limit?)
 
@@ -186,6 +192,66 @@ PATCHES = {
     "fp4-no-promote": [
         ("          for (int i = 0; i < kRegsW; ++i) acc[ls][i] = fmaf(part[i], fc[(i / 4) * 2 + (i % 2)], acc[ls][i]);",
          "          for (int i = 0; i < kRegsW; ++i) acc[ls][i] += part[i];"),
+    ],
+    # FP8-wgmma path: the cost of NVFP4 weights on FP8 wgmmas with exact products (timing only, outputs wrong). An
+    # E2M1 x UE4M3 product has up to 6 significant bits; split as s = s_hi + s_lo (1.a x 2^e and 0.0bc x 2^e) both
+    # products are exact in E4M3, so each weight becomes two E4M3 bytes: two table lookups sharing the selectors and
+    # signs, two scale bytes a lane and row (16-K blocks) each choosing a hi and a lo table, and twice the wgmmas
+    # (hi and lo against the same token tile). Run on MXFP4 weights, whose bytes are 6 % fewer than NVFP4's.
+    "fp4-hilo": [
+        ("// One token unit of the FP8-wgmma path: token n, 128-K group g, quarter q (32 K) -> folded E4M3 bytes in the\n",
+         "__device__ __forceinline__ void e2m1x8_hilo(uint32_t w, uint2 th, uint2 tl, uint32_t& lh, uint32_t& hh,\n"
+         "                                            uint32_t& ll, uint32_t& hl) {\n"
+         "  const uint32_t x4 = w << 4;\n"
+         "  const uint32_t s0 = ptx::prmt(w, x4, 0x9D8Cu) & 0x80808080u, s1 = ptx::prmt(w, x4, 0xBFAEu) & 0x80808080u;\n"
+         "  const uint32_t i0 = w & 0x7777u, i1 = (w >> 16) & 0x7777u;\n"
+         "  lh = ptx::prmt(th.x, th.y, i0) | s0, hh = ptx::prmt(th.x, th.y, i1) | s1;\n"
+         "  ll = ptx::prmt(tl.x, tl.y, i0) | s0, hl = ptx::prmt(tl.x, tl.y, i1) | s1;\n"
+         "}\n"
+         "__device__ __forceinline__ void decode_weights_hilo(uint32_t (&a8)[4][4], uint32_t (&a8l)[4][4], const uint8_t* tile_a,\n"
+         "                                                    const uint8_t* tile_sw, const uint2* fold_tables, int row, int g,\n"
+         "                                                    int q, uint32_t ra, uint32_t rb) {\n"
+         "  const int unit = ((4 * g + q) ^ (row % 8)) << 4;\n"
+         "  const uint4 wra = *reinterpret_cast<const uint4*>(tile_a + row * 128 + unit);\n"
+         "  const uint4 wrb = *reinterpret_cast<const uint4*>(tile_a + (row + 8) * 128 + unit);\n"
+         "  const uint32_t wa[4] = {wra.x, wra.y, wra.z, wra.w}, wb[4] = {wrb.x, wrb.y, wrb.z, wrb.w};\n"
+         "  const uint32_t ea = tile_sw[row * kScaleWordsBytes + 4 * g + q], eb = tile_sw[(row + 8) * kScaleWordsBytes + 4 * g + q];\n"
+         "  uint2 th[2][2], tl[2][2];  // [row a / b][16-K half]\n"
+         "  auto tabs = [&](uint32_t s, uint32_t r, uint2& h, uint2& l) {\n"
+         "    const uint32_t d = min(r - (s >> 1), uint32_t(kNumFoldTables - 3));\n"
+         "    h = fold_tables[d], l = fold_tables[d + 1 + (s & 1)];\n"
+         "  };\n"
+         "  tabs(ea, ra, th[0][0], tl[0][0]), tabs(ea ^ 1, ra, th[0][1], tl[0][1]);\n"
+         "  tabs(eb, rb, th[1][0], tl[1][0]), tabs(eb ^ 1, rb, th[1][1], tl[1][1]);\n"
+         "#pragma unroll\n"
+         "  for (int st = 0; st < 4; ++st) {\n"
+         "    e2m1x8_hilo(wa[st], th[0][st / 2], tl[0][st / 2], a8[st][0], a8[st][2], a8l[st][0], a8l[st][2]);\n"
+         "    e2m1x8_hilo(wb[st], th[1][st / 2], tl[1][st / 2], a8[st][1], a8[st][3], a8l[st][1], a8l[st][3]);\n"
+         "  }\n"
+         "}\n\n"
+         "// One token unit of the FP8-wgmma path: token n, 128-K group g, quarter q (32 K) -> folded E4M3 bytes in the\n"),
+        ("          uint32_t a8[4][4];  // k32 step s: word s of the 16 bytes (K 32q + 8s .. + 7)\n"
+         "          decode_weights_e4m3(a8,",
+         "          uint32_t a8[4][4], a8l[4][4];\n"
+         "          decode_weights_hilo(a8, a8l,"),
+        ("            for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[s][r]);",
+         "            for (int r = 0; r < 4; ++r) ptx::fence_operand(a8[s][r]), ptx::fence_operand(a8l[s][r]);"),
+        ("            MmaW::run(part, a8[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16), s > 0);",
+         "            MmaW::run(part, a8[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16), s > 0),\n"
+         "            MmaW::run(part, a8l[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16), true);"),
+    ],
+    # BF16 path: the weights' block-scale multiply (one HMUL2 a bf16 pair) left out, the factors still computed (timing
+    # only): the most that applying NVFP4's UE4M3 scales after the MMA (per 16-K block partials) could save.
+    "fp4-no-scale-mul": [
+        ('    a[2 * t][0] = ptx::mul_bf16x2(e2m1x2_raw<0>(wa[t]), f0);\n    a[2 * t][1] = ptx::mul_bf16x2(e2m1x2_raw<0>(wb[t]), f1);\n    a[2 * t][2] = ptx::mul_bf16x2(e2m1x2_raw<1>(wa[t]), f0);\n    a[2 * t][3] = ptx::mul_bf16x2(e2m1x2_raw<1>(wb[t]), f1);\n    a[2 * t + 1][0] = ptx::mul_bf16x2(e2m1x2_raw<2>(wa[t]), f0);\n    a[2 * t + 1][1] = ptx::mul_bf16x2(e2m1x2_raw<2>(wb[t]), f1);\n    a[2 * t + 1][2] = ptx::mul_bf16x2(e2m1x2_raw<3>(wa[t]), f0);\n    a[2 * t + 1][3] = ptx::mul_bf16x2(e2m1x2_raw<3>(wb[t]), f1);',
+         '    asm volatile("" ::"r"(f0), "r"(f1));\n    a[2 * t][0] = e2m1x2_raw<0>(wa[t]);\n    a[2 * t][1] = e2m1x2_raw<0>(wb[t]);\n    a[2 * t][2] = e2m1x2_raw<1>(wa[t]);\n    a[2 * t][3] = e2m1x2_raw<1>(wb[t]);\n    a[2 * t + 1][0] = e2m1x2_raw<2>(wa[t]);\n    a[2 * t + 1][1] = e2m1x2_raw<2>(wb[t]);\n    a[2 * t + 1][2] = e2m1x2_raw<3>(wa[t]);\n    a[2 * t + 1][3] = e2m1x2_raw<3>(wb[t]);'),
+    ],
+    # NVFP4 weights: the UE4M3 block scale's mantissa dropped from the bf16 factor (outputs wrong): the same
+    # instructions, but A = e2m1 x 2^k (at most two significant bits) as with MXFP4's power-of-two scales. Against
+    # fp4-no-scale-mul: is the multiply's cost its issue slots or the wider operands the MMAs then see (power)?
+    "fp4-pow2-scale": [
+        ("  const uint32_t h = __float_as_uint(s) >> 16;  // exact: at most 4 significant bits",
+         "  const uint32_t h = (__float_as_uint(s) >> 16) & 0xFF80u;"),
     ],
     "fp4-no-mma": [
         ("            MmaW::run(part, a8[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16), s > 0);",
