@@ -37,8 +37,9 @@ FP4 kernel (docs/perf-notes.md: its decode tiles run at 1.2-1.3x the weight-byte
                      loads, no products)
   fp4-hilo           FP8-wgmma path: what NVFP4 weights on FP8 wgmmas with exact products would cost (timing only):
                      each weight as two E4M3 bytes (s = s_hi + s_lo), two tables a 16-K block, twice the wgmmas
-  fp4-no-scale-mul   BF16 path: no block-scale HMUL2 on the decoded weights (the factors still computed): what
-                     scaling per 16-K block partial after the MMA could save at most
+  fp4-no-scale-mul   BF16 path (and the GEMV's BF16 forms, which share decode_rows_bf16): no block-scale HMUL2 on
+                     the decoded weights (the factors still computed): what scaling per 16-K block partial after the
+                     MMA could save at most
   fp4-pow2-scale     NVFP4 weights: the block scale's mantissa dropped from the bf16 factor (same instructions, A of
                      at most two significant bits as with MXFP4)
   fp4-no-mma         no wgmma: each decoded A fragment is folded into the accumulator by XORs and one add (keeps the
@@ -243,8 +244,23 @@ PATCHES = {
     # BF16 path: the weights' block-scale multiply (one HMUL2 a bf16 pair) left out, the factors still computed (timing
     # only): the most that applying NVFP4's UE4M3 scales after the MMA (per 16-K block partials) could save.
     "fp4-no-scale-mul": [
-        ('    a[2 * t][0] = ptx::mul_bf16x2(e2m1x2_raw<0>(wa[t]), f0);\n    a[2 * t][1] = ptx::mul_bf16x2(e2m1x2_raw<0>(wb[t]), f1);\n    a[2 * t][2] = ptx::mul_bf16x2(e2m1x2_raw<1>(wa[t]), f0);\n    a[2 * t][3] = ptx::mul_bf16x2(e2m1x2_raw<1>(wb[t]), f1);\n    a[2 * t + 1][0] = ptx::mul_bf16x2(e2m1x2_raw<2>(wa[t]), f0);\n    a[2 * t + 1][1] = ptx::mul_bf16x2(e2m1x2_raw<2>(wb[t]), f1);\n    a[2 * t + 1][2] = ptx::mul_bf16x2(e2m1x2_raw<3>(wa[t]), f0);\n    a[2 * t + 1][3] = ptx::mul_bf16x2(e2m1x2_raw<3>(wb[t]), f1);',
-         '    asm volatile("" ::"r"(f0), "r"(f1));\n    a[2 * t][0] = e2m1x2_raw<0>(wa[t]);\n    a[2 * t][1] = e2m1x2_raw<0>(wb[t]);\n    a[2 * t][2] = e2m1x2_raw<1>(wa[t]);\n    a[2 * t][3] = e2m1x2_raw<1>(wb[t]);\n    a[2 * t + 1][0] = e2m1x2_raw<2>(wa[t]);\n    a[2 * t + 1][1] = e2m1x2_raw<2>(wb[t]);\n    a[2 * t + 1][2] = e2m1x2_raw<3>(wa[t]);\n    a[2 * t + 1][3] = e2m1x2_raw<3>(wb[t]);'),
+        ("    a[2 * t][0] = ptx::mul_bf16x2(e2m1x2_raw<0>(wa[t]), f0);\n"
+         "    a[2 * t][1] = ptx::mul_bf16x2(e2m1x2_raw<0>(wb[t]), f1);\n"
+         "    a[2 * t][2] = ptx::mul_bf16x2(e2m1x2_raw<1>(wa[t]), f0);\n"
+         "    a[2 * t][3] = ptx::mul_bf16x2(e2m1x2_raw<1>(wb[t]), f1);\n"
+         "    a[2 * t + 1][0] = ptx::mul_bf16x2(e2m1x2_raw<2>(wa[t]), f0);\n"
+         "    a[2 * t + 1][1] = ptx::mul_bf16x2(e2m1x2_raw<2>(wb[t]), f1);\n"
+         "    a[2 * t + 1][2] = ptx::mul_bf16x2(e2m1x2_raw<3>(wa[t]), f0);\n"
+         '    a[2 * t + 1][3] = ptx::mul_bf16x2(e2m1x2_raw<3>(wb[t]), f1);',
+         "    asm volatile(\"\" ::\"r\"(f0), \"r\"(f1));\n"
+         "    a[2 * t][0] = e2m1x2_raw<0>(wa[t]);\n"
+         "    a[2 * t][1] = e2m1x2_raw<0>(wb[t]);\n"
+         "    a[2 * t][2] = e2m1x2_raw<1>(wa[t]);\n"
+         "    a[2 * t][3] = e2m1x2_raw<1>(wb[t]);\n"
+         "    a[2 * t + 1][0] = e2m1x2_raw<2>(wa[t]);\n"
+         "    a[2 * t + 1][1] = e2m1x2_raw<2>(wb[t]);\n"
+         "    a[2 * t + 1][2] = e2m1x2_raw<3>(wa[t]);\n"
+         '    a[2 * t + 1][3] = e2m1x2_raw<3>(wb[t]);'),
     ],
     # NVFP4 weights: the UE4M3 block scale's mantissa dropped from the bf16 factor (outputs wrong): the same
     # instructions, but A = e2m1 x 2^k (at most two significant bits) as with MXFP4's power-of-two scales. Against
