@@ -244,15 +244,15 @@ PATCHES = {
     # BF16 path: the weights' block-scale multiply (one HMUL2 a bf16 pair) left out, the factors still computed (timing
     # only): the most that applying NVFP4's UE4M3 scales after the MMA (per 16-K block partials) could save.
     "fp4-no-scale-mul": [
-        ("    a[2 * t][0] = ptx::mul_bf16x2(e2m1x2_raw<0>(wa[t]), f0);\n"
-         "    a[2 * t][1] = ptx::mul_bf16x2(e2m1x2_raw<0>(wb[t]), f1);\n"
-         "    a[2 * t][2] = ptx::mul_bf16x2(e2m1x2_raw<1>(wa[t]), f0);\n"
-         "    a[2 * t][3] = ptx::mul_bf16x2(e2m1x2_raw<1>(wb[t]), f1);\n"
-         "    a[2 * t + 1][0] = ptx::mul_bf16x2(e2m1x2_raw<2>(wa[t]), f0);\n"
-         "    a[2 * t + 1][1] = ptx::mul_bf16x2(e2m1x2_raw<2>(wb[t]), f1);\n"
-         "    a[2 * t + 1][2] = ptx::mul_bf16x2(e2m1x2_raw<3>(wa[t]), f0);\n"
-         '    a[2 * t + 1][3] = ptx::mul_bf16x2(e2m1x2_raw<3>(wb[t]), f1);',
-         "    asm volatile(\"\" ::\"r\"(f0), \"r\"(f1));\n"
+        ("    a[2 * t][0] = mul(e2m1x2_raw<0>(wa[t]), fa);\n"
+         "    a[2 * t][1] = mul(e2m1x2_raw<0>(wb[t]), fb);\n"
+         "    a[2 * t][2] = mul(e2m1x2_raw<1>(wa[t]), fa);\n"
+         "    a[2 * t][3] = mul(e2m1x2_raw<1>(wb[t]), fb);\n"
+         "    a[2 * t + 1][0] = mul(e2m1x2_raw<2>(wa[t]), fa);\n"
+         "    a[2 * t + 1][1] = mul(e2m1x2_raw<2>(wb[t]), fb);\n"
+         "    a[2 * t + 1][2] = mul(e2m1x2_raw<3>(wa[t]), fa);\n"
+         '    a[2 * t + 1][3] = mul(e2m1x2_raw<3>(wb[t]), fb);',
+         "    asm volatile(\"\" ::\"r\"(fa), \"r\"(fb));\n"
          "    a[2 * t][0] = e2m1x2_raw<0>(wa[t]);\n"
          "    a[2 * t][1] = e2m1x2_raw<0>(wb[t]);\n"
          "    a[2 * t][2] = e2m1x2_raw<1>(wa[t]);\n"
@@ -266,8 +266,9 @@ PATCHES = {
     # instructions, but A = e2m1 x 2^k (at most two significant bits) as with MXFP4's power-of-two scales. Against
     # fp4-no-scale-mul: is the multiply's cost its issue slots or the wider operands the MMAs then see (power)?
     "fp4-pow2-scale": [
-        ("  const uint32_t h = __float_as_uint(s) >> 16;  // exact: at most 4 significant bits",
-         "  const uint32_t h = (__float_as_uint(s) >> 16) & 0xFF80u;"),
+        ("    fb = weight_factor_nv_bits(sb & 0xFFu) | weight_factor_nv_bits((sb >> 8) & 0xFFu) << 16;\n  }",
+         "    fb = weight_factor_nv_bits(sb & 0xFFu) | weight_factor_nv_bits((sb >> 8) & 0xFFu) << 16;\n  }\n"
+         "  fa &= 0xFF80FF80u, fb &= 0xFF80FF80u;"),
     ],
     "fp4-no-mma": [
         ("            MmaW::run(part, a8[s], ptx::smem_desc_sw128(tok_desc_lo + (g * kCols * 128 + s * 32) / 16), s > 0);",

@@ -699,6 +699,38 @@ def test_mxfp4_scale_bytes_past_bf16_range_are_never_silent(act_format, scale_by
     assert rel_err(y[~hit], case.ref[~hit]) <= TOL
 
 
+@pytest.mark.parametrize("act_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("layer_key,pattern",
+                         [("w13_sf", (0x30, 0x38)), ("w13_sf", (0x07, 0x08)), ("w13_sf", (0x00, 0x38)),
+                          ("w13_sf", (0x7E,)), ("w13_sf", (0x7F,)), ("w2_sf", (0x38, 0x30)), ("w2_sf", (0x01,)),
+                          ("w2_sf", (0x08, 0x07)), ("w2_sf", (0x38, 0x00)), ("w2_sf", (0x7F,))],
+                         ids=["l1-normal-pair", "l1-subnormal-normal", "l1-zero-one", "l1-max", "l1-nan",
+                              "l2-normal-pair", "l2-min-subnormal", "l2-normal-subnormal", "l2-one-zero", "l2-nan"])
+def test_nvfp4_walk_scale_bytes(layer_key, pattern, act_format):
+    """BF16 path (the tile walk, T=16): NVFP4 weight scale bytes on both sides of the decoder's fast range
+    (weight_factors_nv: 8-0x7E by one IMAD, the rest on its branch), every block of one layer set, the bytes taking
+    turns by 16-K block (so each thread's two factors differ: a swapped half or a misread byte moves the output):
+    subnormal, zero, normal and 448 are applied exactly; 0x7F (NaN) leaves no token finite."""
+    case = make_case(8, 1024, 512, 2, 16, "nvfp4", act_format, device="cuda", masked_fraction=0.0, seed=57)
+    layer = dict(case.layer)
+    sf = layer[layer_key].clone()
+    for j, b in enumerate(pattern):
+        sf.view(torch.uint8)[..., j::len(pattern)] = b
+    layer[layer_key] = sf
+    case.layer = layer
+    case.l1 = megamoe.transform_weights(layer["w13"], layer["w13_sf"], layer["w13_global_sf"], weight_format="nvfp4",
+                                        is_l1=True)
+    case.l2 = megamoe.transform_weights(layer["w2"], layer["w2_sf"], layer["w2_global_sf"], weight_format="nvfp4",
+                                        is_l1=False)
+    y = run_poisoned(case)
+    if 0x7F in pattern:
+        assert not torch.isfinite(y).all(dim=1).any(), "a token came out finite"
+    else:
+        ref = case.reference()
+        assert torch.isfinite(ref).all() and bool((ref != 0).any())
+        assert rel_err(y, ref) <= TOL
+
+
 @combo
 def test_capacity_larger_than_tokens(weight_format, act_format):
     case = make_case(8, 256, 384, 3, 33, weight_format, act_format, device="cuda", max_tokens=1000, seed=10)

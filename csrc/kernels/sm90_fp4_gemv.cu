@@ -53,7 +53,7 @@ using fp4::act_factor_ue8m0_f32;
 using fp4::e2m1x2_raw;
 using fp4::fp8_pair_bf16;
 using fp4::kBF16x2Pow2_126;
-using fp4::weight_factor_nv;
+using fp4::weight_factors_nv;
 using heuristics::kFp4GemvTileRows;
 
 constexpr int kGemvWarps = 16;  // consumer warps (8: 3-4 % slower at V4-Flash T=1, the same at V4-Pro)
@@ -422,14 +422,13 @@ __device__ __forceinline__ void consume_tile(float (&acc)[4], uint32_t& ea, uint
       const uint4 v = t[i];
       b[2 * i][0] = v.x, b[2 * i][1] = v.y, b[2 * i + 1][0] = v.z, b[2 * i + 1][1] = v.w;
     }
-    uint32_t fa[2], fb[2];
+    uint32_t fa, fb;
     if constexpr (kNV) {  // e2m1 x ue4m3 x 2^-kSplit, as the walk's BF16 path (tokens x 2^kSplit)
       const uint32_t sa = *reinterpret_cast<const uint16_t*>(sf + ia), sb = *reinterpret_cast<const uint16_t*>(sf + ib);
-      fa[0] = weight_factor_nv(sa & 0xFF), fa[1] = weight_factor_nv(sa >> 8);
-      fb[0] = weight_factor_nv(sb & 0xFF), fb[1] = weight_factor_nv(sb >> 8);
+      weight_factors_nv(sa, sb, fa, fb);
     } else {
-      fa[0] = fa[1] = relative_factor(sf[ia], ea);
-      fb[0] = fb[1] = relative_factor(sf[ib], eb);
+      fa = relative_factor(sf[ia], ea);
+      fb = relative_factor(sf[ib], eb);
     }
     const uint32_t wa4[4] = {wa.x, wa.y, wa.z, wa.w}, wb4[4] = {wb.x, wb.y, wb.z, wb.w};
     uint32_t a[8][4];

@@ -261,10 +261,32 @@ __device__ __forceinline__ uint32_t weight_factor_mx(uint32_t b) {
   const uint32_t h = b == 255 ? 0x7FC0u : e >= 255 ? 0x7F80u : e << 7;
   return h | (h << 16);
 }
-__device__ __forceinline__ uint32_t weight_factor_nv(uint8_t b) {
-  const float s = __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3))) * 0x1p94f;  // exact
-  const uint32_t h = __float_as_uint(s) >> 16;  // exact: at most 4 significant bits
-  return h | (h << 16);
+// NVFP4: a UE4M3 (E4M3 bits) block scale -> the bf16 bits of s x 2^(126 - kSplit), any byte (subnormal, zero, NaN and
+// negative E4M3 values included).
+__device__ __forceinline__ uint32_t weight_factor_nv_bits(uint32_t b) {
+  const float s = __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<uint8_t>(b), __NV_E4M3))) * 0x1p94f;  // exact
+  return __float_as_uint(s) >> 16;  // exact: at most 4 significant bits
+}
+// True where every byte of t lies in [8, 0x7E] (the normal, finite, positive UE4M3 scales): a byte below 8 borrows
+// (its difference byte >= 0xF8), 0x7F becomes 0x80 plus one, and bytes from 0x80 on carry their own top bit; valid
+// bytes neither borrow nor carry, so whatever an invalid byte does to its neighbours, the test holds only if none is.
+__device__ __forceinline__ bool ue4m3_normal_bytes(uint32_t t) {
+  return (((t - 0x08080808u) | (t + 0x01010101u) | t) & 0x80808080u) == 0u;
+}
+// The two 16-K block scales of rows r and r + 8 for this thread's 32 K (sa, sb: the first block's byte low) -> one
+// register a row holding both factors (low half: the first block's), which decode_rows_bf16 broadcasts half by half.
+// For a normal byte b = e << 3 | m, (b << 4) + (214 << 7) is the bf16 of 1.m x 2^(e - 7) x 2^94 (exponent field
+// e - 7 + 94 + 127): one PRMT spreads a row's two bytes to the halves and one IMAD places both. Bytes outside [8, 0x7E]
+// take weight_factor_nv_bits on a branch that real checkpoints take only for zero or tiny blocks (NOTES: was an
+// F2FP, HADD2, FMUL and two bit operations per factor, plus its byte's extraction: 24 instructions a 128-K group and
+// thread against 4 and the range test's 5).
+__device__ __forceinline__ void weight_factors_nv(uint32_t sa, uint32_t sb, uint32_t& fa, uint32_t& fb) {
+  fa = ptx::prmt(sa, 0u, 0x4140u) * 16u + 0x6B006B00u;
+  fb = ptx::prmt(sb, 0u, 0x4140u) * 16u + 0x6B006B00u;
+  if (__builtin_expect(!ue4m3_normal_bytes(ptx::prmt(sa, sb, 0x5410u)), 0)) {
+    fa = weight_factor_nv_bits(sa & 0xFFu) | weight_factor_nv_bits((sa >> 8) & 0xFFu) << 16;
+    fb = weight_factor_nv_bits(sb & 0xFFu) | weight_factor_nv_bits((sb >> 8) & 0xFFu) << 16;
+  }
 }
 // Token scales -> the factor for B = x x 2^kSplit.
 __device__ __forceinline__ float act_factor_ue8m0_f32(uint32_t b) {
@@ -352,23 +374,26 @@ __device__ __forceinline__ void weight_factors_mx(uint32_t sa, uint32_t sb, uint
   if (__builtin_expect(max(sa, sb) > 160u, 0)) fa = weight_factor_mx(sa), fb = weight_factor_mx(sb);
 }
 
-// Rows r and r + 8, 32 K each (four words a row, E2M1 in the kernel's K order), times their block factors (f[0]: the
-// first 16 K, f[1]: the last 16; MXFP4 the same twice) -> the A fragments of 8 k16 steps (the layout of wgmma's
-// register A and of mma.sync m16n8k16's A).
+// Rows r and r + 8, 32 K each (four words a row, E2M1 in the kernel's K order), times their block factors (fa, fb:
+// low half the first 16 K's, high half the last 16's; MXFP4 the same in both) -> the A fragments of 8 k16 steps (the
+// layout of wgmma's register A and of mma.sync m16n8k16's A).
 __device__ __forceinline__ void decode_rows_bf16(uint32_t (&a)[8][4], const uint32_t (&wa)[4], const uint32_t (&wb)[4],
-                                                 const uint32_t (&fa)[2], const uint32_t (&fb)[2]) {
+                                                 uint32_t fa, uint32_t fb) {
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
-    const uint32_t f0 = fa[t / 2], f1 = fb[t / 2];
+    // words 0-1: the first 16 K (the factors' low halves), words 2-3: the last 16
+    auto mul = [t](uint32_t x, uint32_t f) {
+      return t < 2 ? ptx::mul_bf16x2_by_half<0>(x, f) : ptx::mul_bf16x2_by_half<1>(x, f);
+    };
     // step 2t: nibbles 0/4 (cols 2q..) and 1/5 (cols 2q + 8..); step 2t + 1: nibbles 2/6 and 3/7
-    a[2 * t][0] = ptx::mul_bf16x2(e2m1x2_raw<0>(wa[t]), f0);
-    a[2 * t][1] = ptx::mul_bf16x2(e2m1x2_raw<0>(wb[t]), f1);
-    a[2 * t][2] = ptx::mul_bf16x2(e2m1x2_raw<1>(wa[t]), f0);
-    a[2 * t][3] = ptx::mul_bf16x2(e2m1x2_raw<1>(wb[t]), f1);
-    a[2 * t + 1][0] = ptx::mul_bf16x2(e2m1x2_raw<2>(wa[t]), f0);
-    a[2 * t + 1][1] = ptx::mul_bf16x2(e2m1x2_raw<2>(wb[t]), f1);
-    a[2 * t + 1][2] = ptx::mul_bf16x2(e2m1x2_raw<3>(wa[t]), f0);
-    a[2 * t + 1][3] = ptx::mul_bf16x2(e2m1x2_raw<3>(wb[t]), f1);
+    a[2 * t][0] = mul(e2m1x2_raw<0>(wa[t]), fa);
+    a[2 * t][1] = mul(e2m1x2_raw<0>(wb[t]), fb);
+    a[2 * t][2] = mul(e2m1x2_raw<1>(wa[t]), fa);
+    a[2 * t][3] = mul(e2m1x2_raw<1>(wb[t]), fb);
+    a[2 * t + 1][0] = mul(e2m1x2_raw<2>(wa[t]), fa);
+    a[2 * t + 1][1] = mul(e2m1x2_raw<2>(wb[t]), fb);
+    a[2 * t + 1][2] = mul(e2m1x2_raw<3>(wa[t]), fa);
+    a[2 * t + 1][3] = mul(e2m1x2_raw<3>(wb[t]), fb);
   }
 }
 
@@ -381,16 +406,14 @@ __device__ __forceinline__ void decode_weights(uint32_t (&a)[8][4], const uint8_
   const uint4 ra = *reinterpret_cast<const uint4*>(tile_a + row * 128 + unit);
   const uint4 rb = *reinterpret_cast<const uint4*>(tile_a + (row + 8) * 128 + unit);
   const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
-  uint32_t fa[2], fb[2];
+  uint32_t fa, fb;
   if constexpr (kNV) {
     const uint16_t sa = *reinterpret_cast<const uint16_t*>(tile_sw + row * kScaleWordsBytes + 8 * g + 2 * q);
     const uint16_t sb = *reinterpret_cast<const uint16_t*>(tile_sw + (row + 8) * kScaleWordsBytes + 8 * g + 2 * q);
-    fa[0] = weight_factor_nv(sa & 0xFF), fa[1] = weight_factor_nv(sa >> 8);
-    fb[0] = weight_factor_nv(sb & 0xFF), fb[1] = weight_factor_nv(sb >> 8);
+    weight_factors_nv(sa, sb, fa, fb);
   } else {
     weight_factors_mx(tile_sw[row * kScaleWordsBytes + 4 * g + q], tile_sw[(row + 8) * kScaleWordsBytes + 4 * g + q],
-                      fa[0], fb[0]);
-    fa[1] = fa[0], fb[1] = fb[0];
+                      fa, fb);
   }
   decode_rows_bf16(a, wa, wb, fa, fb);
 }

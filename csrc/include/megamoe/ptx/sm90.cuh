@@ -502,6 +502,21 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   return d;
 }
 
+// d = a * (half kHalf of b, in both halves) on bf16 pairs: ptxas takes the broadcast as an operand selector (HMUL2's
+// .H0_H0 / .H1_H1), so one register carries two factors at no instruction.
+template <int kHalf>
+__device__ __forceinline__ uint32_t mul_bf16x2_by_half(uint32_t a, uint32_t b) {
+  static_assert(kHalf == 0 || kHalf == 1);
+  uint32_t d;
+  if constexpr (kHalf == 0)
+    asm("{\n.reg .b16 l, h;\n.reg .b32 f;\nmov.b32 {l, h}, %2;\nmov.b32 f, {l, l};\nmul.rn.bf16x2 %0, %1, f;\n}"
+        : "=r"(d) : "r"(a), "r"(b));
+  else
+    asm("{\n.reg .b16 l, h;\n.reg .b32 f;\nmov.b32 {l, h}, %2;\nmov.b32 f, {h, h};\nmul.rn.bf16x2 %0, %1, f;\n}"
+        : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 // 1 / x, approximate (MUFU.RCP: at most 1 ulp from the quotient; subnormal results flush to zero).
 __device__ __forceinline__ float rcp_approx(float x) {
   float r;
