@@ -253,6 +253,7 @@ PATCHES = {
          "    a[2 * t + 1][2] = mul(e2m1x2_raw<3>(wa[t]), fa);\n"
          '    a[2 * t + 1][3] = mul(e2m1x2_raw<3>(wb[t]), fb);',
          "    asm volatile(\"\" ::\"r\"(fa), \"r\"(fb));\n"
+         "    (void)mul;\n"
          "    a[2 * t][0] = e2m1x2_raw<0>(wa[t]);\n"
          "    a[2 * t][1] = e2m1x2_raw<0>(wb[t]);\n"
          "    a[2 * t][2] = e2m1x2_raw<1>(wa[t]);\n"

@@ -700,22 +700,33 @@ def test_mxfp4_scale_bytes_past_bf16_range_are_never_silent(act_format, scale_by
 
 
 @pytest.mark.parametrize("act_format", ["fp8", "fp4"])
-@pytest.mark.parametrize("layer_key,pattern",
-                         [("w13_sf", (0x30, 0x38)), ("w13_sf", (0x07, 0x08)), ("w13_sf", (0x00, 0x38)),
-                          ("w13_sf", (0x7E,)), ("w13_sf", (0x7F,)), ("w2_sf", (0x38, 0x30)), ("w2_sf", (0x01,)),
-                          ("w2_sf", (0x08, 0x07)), ("w2_sf", (0x38, 0x00)), ("w2_sf", (0x7F,))],
-                         ids=["l1-normal-pair", "l1-subnormal-normal", "l1-zero-one", "l1-max", "l1-nan",
-                              "l2-normal-pair", "l2-min-subnormal", "l2-normal-subnormal", "l2-one-zero", "l2-nan"])
+@pytest.mark.parametrize("layer_key,pattern", [
+    ("w13_sf", ((0x30, 0x38), (0x38, 0x30))), ("w13_sf", ((0x07, 0x08), (0x08, 0x07))),
+    ("w13_sf", ((0x08, 0x09), (0x07, 0x06))), ("w13_sf", ((0x00, 0x38), (0x38, 0x00))),
+    ("w13_sf", ((0x7E, 0x7E), (0x7E, 0x7E))), ("w13_sf", ((0x7F, 0x38), (0x38, 0x38))),
+    ("w2_sf", ((0x38, 0x30), (0x30, 0x38))), ("w2_sf", ((0x01, 0x01), (0x01, 0x01))),
+    ("w2_sf", ((0x06, 0x07), (0x09, 0x08))), ("w2_sf", ((0x38, 0x00), (0x00, 0x38))),
+    ("w2_sf", ((0x38, 0x38), (0x38, 0x7F)))],
+    ids=["l1-normal", "l1-subnormal-normal", "l1-rows-normal-subnormal", "l1-zero-one", "l1-max", "l1-nan",
+         "l2-normal", "l2-min-subnormal", "l2-rows-subnormal-normal", "l2-one-zero", "l2-nan"])
 def test_nvfp4_walk_scale_bytes(layer_key, pattern, act_format):
     """BF16 path (the tile walk, T=16): NVFP4 weight scale bytes on both sides of the decoder's fast range
-    (weight_factors_nv: 8-0x7E by one IMAD, the rest on its branch), every block of one layer set, the bytes taking
-    turns by 16-K block (so each thread's two factors differ: a swapped half or a misread byte moves the output):
-    subnormal, zero, normal and 448 are applied exactly; 0x7F (NaN) leaves no token finite."""
+    (weight_factors_nv: 8-0x7E by one IMAD, the rest on its branch), every block of one layer set. The byte depends on
+    the 16-K block's parity and on the row's half of its 16 (pattern[(row // 8) % 2][block % 2]), so a thread's two
+    factors differ and so do its rows r and r + 8 (one row on the fast range, the other off it, in some cases): a
+    swapped half, a row read for the other or a misread byte moves the output. Subnormal, zero, normal and 448 are
+    applied exactly (the subnormal bytes beside normal ones of about their size, so that a misread shows); a NaN byte
+    in some blocks leaves no token finite. (L1's kernel rows interleave gate and up in chunks of 64 checkpoint rows,
+    so rows r and r + 8 of a 64-row slice are checkpoint rows 8 apart there too.)"""
     case = make_case(8, 1024, 512, 2, 16, "nvfp4", act_format, device="cuda", masked_fraction=0.0, seed=57)
     layer = dict(case.layer)
     sf = layer[layer_key].clone()
-    for j, b in enumerate(pattern):
-        sf.view(torch.uint8)[..., j::len(pattern)] = b
+    u = sf.view(torch.uint8)
+    n = torch.arange(u.shape[1], device=u.device)
+    for h in (0, 1):
+        rows = ((n // 8) % 2 == h).nonzero().squeeze(1)
+        for j in (0, 1):
+            u[:, rows, j::2] = pattern[h][j]
     layer[layer_key] = sf
     case.layer = layer
     case.l1 = megamoe.transform_weights(layer["w13"], layer["w13_sf"], layer["w13_global_sf"], weight_format="nvfp4",
@@ -723,7 +734,7 @@ def test_nvfp4_walk_scale_bytes(layer_key, pattern, act_format):
     case.l2 = megamoe.transform_weights(layer["w2"], layer["w2_sf"], layer["w2_global_sf"], weight_format="nvfp4",
                                         is_l1=False)
     y = run_poisoned(case)
-    if 0x7F in pattern:
+    if any(0x7F in p for p in pattern):
         assert not torch.isfinite(y).all(dim=1).any(), "a token came out finite"
     else:
         ref = case.reference()

@@ -268,7 +268,7 @@ __device__ __forceinline__ uint32_t weight_factor_nv_bits(uint32_t b) {
   return __float_as_uint(s) >> 16;  // exact: at most 4 significant bits
 }
 // True where every byte of t lies in [8, 0x7E] (the normal, finite, positive UE4M3 scales): a byte below 8 borrows
-// (its difference byte >= 0xF8), 0x7F becomes 0x80 plus one, and bytes from 0x80 on carry their own top bit; valid
+// (its difference byte >= 0xF8), 0x7F plus one becomes 0x80, and bytes from 0x80 on carry their own top bit; valid
 // bytes neither borrow nor carry, so whatever an invalid byte does to its neighbours, the test holds only if none is.
 __device__ __forceinline__ bool ue4m3_normal_bytes(uint32_t t) {
   return (((t - 0x08080808u) | (t + 0x01010101u) | t) & 0x80808080u) == 0u;
@@ -276,10 +276,10 @@ __device__ __forceinline__ bool ue4m3_normal_bytes(uint32_t t) {
 // The two 16-K block scales of rows r and r + 8 for this thread's 32 K (sa, sb: the first block's byte low) -> one
 // register a row holding both factors (low half: the first block's), which decode_rows_bf16 broadcasts half by half.
 // For a normal byte b = e << 3 | m, (b << 4) + (214 << 7) is the bf16 of 1.m x 2^(e - 7) x 2^94 (exponent field
-// e - 7 + 94 + 127): one PRMT spreads a row's two bytes to the halves and one IMAD places both. Bytes outside [8, 0x7E]
-// take weight_factor_nv_bits on a branch that real checkpoints take only for zero or tiny blocks (NOTES: was an
-// F2FP, HADD2, FMUL and two bit operations per factor, plus its byte's extraction: 24 instructions a 128-K group and
-// thread against 4 and the range test's 5).
+// e - 7 + 94 + 127): one PRMT spreads a row's two bytes to the halves and one IMAD (a LEA in SASS) places both.
+// Bytes outside [8, 0x7E] take weight_factor_nv_bits on a branch that real checkpoints take only for zero or tiny
+// blocks (NOTES: was an F2FP, HADD2, FMUL and two bit operations per factor, plus its byte's extraction: 24
+// instructions a 128-K group and thread against 4 and the range test's 5).
 __device__ __forceinline__ void weight_factors_nv(uint32_t sa, uint32_t sb, uint32_t& fa, uint32_t& fb) {
   fa = ptx::prmt(sa, 0u, 0x4140u) * 16u + 0x6B006B00u;
   fb = ptx::prmt(sb, 0u, 0x4140u) * 16u + 0x6B006B00u;
