@@ -205,6 +205,17 @@ def spread_ue8m0(sf: torch.Tensor, spread: int, seed: int) -> torch.Tensor:
     return (sf.view(torch.uint8).to(torch.int32) - drop).clamp(1, 254).to(torch.uint8)
 
 
+def with_nvfp4_scales(case, layer: dict, layer_key: str, sf: torch.Tensor) -> None:
+    """The NVFP4 case with `layer` (a copy of case.layer) holding scales `sf` at `layer_key`, both layers transformed
+    again."""
+    layer[layer_key] = sf
+    case.layer = layer
+    case.l1 = megamoe.transform_weights(layer["w13"], layer["w13_sf"], layer["w13_global_sf"], weight_format="nvfp4",
+                                        is_l1=True)
+    case.l2 = megamoe.transform_weights(layer["w2"], layer["w2_sf"], layer["w2_global_sf"], weight_format="nvfp4",
+                                        is_l1=False)
+
+
 def scale_byte_case(act_format, scale_byte):
     """A small MXFP4 case whose expert 3 has one weight scale byte set (one gate row, second 32-K block), and
     the tokens routed to that expert."""
@@ -727,12 +738,7 @@ def test_nvfp4_walk_scale_bytes(layer_key, pattern, act_format):
         rows = ((n // 8) % 2 == h).nonzero().squeeze(1)
         for j in (0, 1):
             u[:, rows, j::2] = pattern[h][j]
-    layer[layer_key] = sf
-    case.layer = layer
-    case.l1 = megamoe.transform_weights(layer["w13"], layer["w13_sf"], layer["w13_global_sf"], weight_format="nvfp4",
-                                        is_l1=True)
-    case.l2 = megamoe.transform_weights(layer["w2"], layer["w2_sf"], layer["w2_global_sf"], weight_format="nvfp4",
-                                        is_l1=False)
+    with_nvfp4_scales(case, layer, layer_key, sf)
     y = run_poisoned(case)
     if any(0x7F in p for p in pattern):
         assert not torch.isfinite(y).all(dim=1).any(), "a token came out finite"
@@ -1206,12 +1212,7 @@ def test_fp4_gemv_nvfp4_scale_bytes(layer_key, scale_byte, act_format, monkeypat
     layer = dict(case.layer)
     sf = layer[layer_key].clone()
     sf.view(torch.uint8)[e] = scale_byte
-    layer[layer_key] = sf
-    case.layer = layer
-    case.l1 = megamoe.transform_weights(layer["w13"], layer["w13_sf"], layer["w13_global_sf"], weight_format="nvfp4",
-                                        is_l1=True)
-    case.l2 = megamoe.transform_weights(layer["w2"], layer["w2_sf"], layer["w2_global_sf"], weight_format="nvfp4",
-                                        is_l1=False)
+    with_nvfp4_scales(case, layer, layer_key, sf)
     ref = case.reference()
     for forms in "03":
         monkeypatch.setenv("MEGAMOE_FP4_GEMV_NV_FP8MMA", forms)
