@@ -65,6 +65,15 @@ def test_mxfp4_fp8_decode_bytes_and_fragments():
     model.check_fragments()
 
 
+def test_nvfp4_block_columns_give_exact_dot_products():
+    """The block-column form planned for NVFP4 tiles of 1-2 tokens (perf-notes, fifty-seventh session): with the
+    kernel's K order, a token tile of one column per (16-K block, token) as the converters would write it and the
+    promotion of each thread's four accumulator columns by their blocks' scales give the exact dot products (200
+    random cases of 1-4 groups, scales subnormal and zero included); a logical k16 step spans four blocks."""
+    model = load("nvfp4_block_columns")
+    model.check(num_cases=200)
+
+
 def test_warp_tile_decode_equals_binary_search():
     """The FP8 producer's warp-wide tile decode (2 rounds up to 1,024 experts) finds the binary search's expert for
     every tile of random expert-offset tables, empty experts included."""
